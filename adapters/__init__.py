@@ -1,0 +1,1 @@
+"""Framework adapters (LangGraph, AutoGen) that put kvbaton under existing agent apps."""

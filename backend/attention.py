@@ -1,0 +1,110 @@
+"""Paged attention plugged into the Hugging Face model definition.
+
+The engine runs the unmodified transformers model with ``attn_implementation="kvbaton_paged"``.
+For every layer, the function below writes the new tokens' (already rotated) K/V into the block
+pool and attends over the sequence's blocks. Several sequences can be packed into one forward
+(varlen batch: their tokens are concatenated along the sequence axis), which is how prefill
+chunks and decode steps of different requests share one pass through the weights.
+
+Called without kvbaton metadata (plain ``model(input_ids)``), it is ordinary SDPA attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+from .block_pool import BlockPool
+
+ATTN_IMPLEMENTATION = "kvbaton_paged"
+BATCH_KWARG = "kvbaton_batch"
+
+
+@dataclass
+class SeqAttention:
+    """Where one packed sequence's queries are, and where its K/V go and come from."""
+
+    q_start: int  # offset of its new tokens in the packed batch
+    q_len: int
+    write_slots: torch.Tensor | slice  # pool slots of the new tokens
+    read_slots: torch.Tensor | slice  # pool slots of all tokens it attends to (context + new)
+    mask: torch.Tensor | None  # [q_len, kv_len] bool, None when plain causal or single query
+    causal: bool  # new tokens are the whole sequence: SDPA's causal flag is exact
+
+
+@dataclass
+class AttentionBatch:
+    pool: BlockPool
+    seqs: list[SeqAttention]
+
+
+def build_seq_attention(pool: BlockPool, blocks: list[int], q_start: int, start: int, q_len: int) -> SeqAttention:
+    """Metadata for a sequence that has ``start`` cached tokens and ``q_len`` new ones."""
+    end = start + q_len
+    mask = None
+    if start > 0 and q_len > 1:
+        # Query i (absolute position start+i) sees keys 0..start+i: bottom-right aligned causal mask.
+        q_pos = torch.arange(start, end, device=pool.device)[:, None]
+        mask = torch.arange(end, device=pool.device)[None, :] <= q_pos
+    return SeqAttention(
+        q_start=q_start,
+        q_len=q_len,
+        write_slots=pool.slots(blocks, start, end),
+        read_slots=pool.slots(blocks, 0, end),
+        mask=mask,
+        causal=start == 0 and q_len > 1,
+    )
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    batch: AttentionBatch | None = kwargs.get(BATCH_KWARG)
+    if batch is None:
+        if query.shape[2] not in (1, key.shape[2]):
+            # Our mask hook returns None, which is only right for these two shapes.
+            raise RuntimeError(f"{ATTN_IMPLEMENTATION} without kvbaton metadata needs a full or one-token forward")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    layer = module.layer_idx
+    pool = batch.pool
+    outputs = []
+    for seq in batch.seqs:
+        q_end = seq.q_start + seq.q_len
+        # query/key/value: [1, heads, packed_tokens, head_dim]; the model has already applied RoPE.
+        pool.write(layer, seq.write_slots, key[0, :, seq.q_start : q_end], value[0, :, seq.q_start : q_end])
+        k, v = pool.read(layer, seq.read_slots)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, seq.q_start : q_end],
+                k.unsqueeze(0),
+                v.unsqueeze(0),
+                attn_mask=seq.mask,
+                is_causal=seq.causal,
+                scale=scaling,
+                enable_gqa=True,
+            )
+        )
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    # Masks are built per sequence above; skip transformers' dense mask construction.
+    return None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

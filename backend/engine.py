@@ -1,0 +1,498 @@
+"""The kvbaton engine: owns the KV cache of one model on one device and implements the handle operators.
+
+Operators (each returns new, immutable handles; inputs stay valid until released):
+
+- ``materialize(context)``: prefill a context, return a handle to its KV.
+- ``fork(handle, k)``: ``k`` handles aliasing every block of ``handle`` (zero copy).
+- ``extend(handle, context)``: prefill more context behind a handle.
+- ``resume(handle, suffix, sampling)``: prefill the suffix and generate; the result carries a
+  handle covering prefix + suffix + generated tokens.
+- ``generate(messages, handle=None)``: chat-templated generation reusing a handle's KV for the
+  longest common token prefix.
+- ``release(handle)``: drop the handle's block references.
+
+Copy-on-write keeps forks safe: a write into a partially filled block that another handle also
+references first copies that block. Every operation validates its input completely before
+taking blocks or running the model, so bad input never costs compute or leaks memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Generator, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from kvbaton.errors import (
+    ContextTooLong,
+    HandleNotFound,
+    HandleReleased,
+    IncompatibleHandle,
+    InvalidRequest,
+    PoolExhausted,
+)
+from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, new_handle_id
+from kvbaton.stream import TokenStream
+from kvbaton.types import ChatMessage, Result, SamplingParams, Stats, StreamChunk, Timings
+
+from .attention import ATTN_IMPLEMENTATION
+from .block_pool import BlockPool, PoolShape, blocks_for_budget
+from .detokenizer import Detokenizer
+from .loader import LoadedModel, load_model
+from .model_runner import Chunk, ModelRunner
+from .sampler import make_generator, sample
+from .sequence import KVState
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_BUDGET = "1GiB"
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_PREFILL_CHUNK = 1024
+MAX_FORK = 1024
+_RELEASED_MEMORY = 1_000_000  # remembered released ids, so late users get HandleReleased, not NotFound
+
+HandleLike = Handle | str
+Context = str | Sequence[int]
+
+
+class Engine:
+    """In-process inference engine with a paged, refcounted KV pool. Thread-safe."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        kv_budget: int | str = DEFAULT_KV_BUDGET,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> None:
+        if block_size < 1 or prefill_chunk < 1:
+            raise InvalidRequest("block_size and prefill_chunk must be positive")
+        self.loaded: LoadedModel = load_model(
+            model, dtype=dtype, device=device, attn_implementation=ATTN_IMPLEMENTATION
+        )
+        lm = self.loaded
+        shape = PoolShape(lm.num_layers, lm.num_kv_heads, lm.head_dim, block_size, lm.dtype)
+        self.pool = BlockPool(shape, blocks_for_budget(kv_budget, shape.bytes_per_block), lm.device)
+        self.runner = ModelRunner(lm, self.pool)
+        self.tokenizer = lm.tokenizer
+        self.block_size = block_size
+        self.prefill_chunk = prefill_chunk
+        self.positions = Positions(
+            rope_type=lm.rope_type, rope_theta=lm.rope_theta, rope_parameters=lm.rope_parameters
+        )
+        self.placement = Placement(device=str(lm.device), tier="device")
+        self._states: dict[str, KVState] = {}
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.RLock()
+        self._tokens_reused = 0
+        self._tokens_prefilled = 0
+        self._tokens_generated = 0
+        log.info(
+            "engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens",
+            lm.name, dtype, device, self.pool.num_blocks, block_size,
+        )
+
+    # -- public operators ---------------------------------------------------------------------
+    def materialize(self, context: Context) -> Handle:
+        tokens = self._tokens(context, what="context")
+        self._check_context(len(tokens))
+        with self._lock:
+            state = self._new_state(None, 0, tokens, LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)))
+            self._prefill_registered(state)
+            return self._handle(state)
+
+    def extend(self, handle: HandleLike, context: Context) -> Handle:
+        tokens = self._tokens(context, what="context")
+        with self._lock:
+            parent = self._lookup(handle)
+            self._check_context(parent.num_tokens + len(tokens))
+            step = LineageStep(op=Op.EXTEND, parent=parent.id, token_ids=tuple(tokens))
+            state = self._new_state(parent, parent.num_tokens, tokens, step)
+            self._prefill_registered(state)
+            return self._handle(state)
+
+    def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_FORK:
+            raise InvalidRequest(f"fork count must be an integer in 1..{MAX_FORK}, got {k!r}")
+        with self._lock:
+            parent = self._lookup(handle)
+            children = []
+            for _ in range(k):
+                child = self._new_state(parent, parent.num_tokens, [], LineageStep(op=Op.FORK, parent=parent.id))
+                self._states[child.id] = child
+                children.append(self._handle(child))
+            return children
+
+    def resume(
+        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None
+    ) -> Result:
+        return self.resume_stream(handle, suffix, sampling).until_done()
+
+    def resume_stream(
+        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None
+    ) -> TokenStream:
+        params = sampling or SamplingParams()
+        tokens = self._tokens(suffix, what="suffix", allow_empty=True)
+        with self._lock:
+            parent = self._lookup(handle)
+            self._check_context(parent.num_tokens + len(tokens), params.max_tokens)
+            step = LineageStep(op=Op.RESUME, parent=parent.id, token_ids=tuple(tokens))
+            state = self._new_state(parent, parent.num_tokens, tokens, step)
+        return self._stream(state, params)
+
+    def generate(
+        self,
+        messages: Sequence[ChatMessage | dict[str, Any]],
+        *,
+        handle: HandleLike | None = None,
+        sampling: SamplingParams | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Result:
+        return self.generate_stream(messages, handle=handle, sampling=sampling, tools=tools).until_done()
+
+    def generate_stream(
+        self,
+        messages: Sequence[ChatMessage | dict[str, Any]],
+        *,
+        handle: HandleLike | None = None,
+        sampling: SamplingParams | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> TokenStream:
+        params = sampling or SamplingParams()
+        prompt = self.chat_tokens(messages, tools=tools)
+        self._check_context(len(prompt), params.max_tokens)
+        with self._lock:
+            if handle is None:
+                state = self._new_state(None, 0, prompt, LineageStep(op=Op.GENERATE, token_ids=tuple(prompt)))
+            else:
+                parent = self._lookup(handle)
+                keep = _common_prefix(parent.token_ids, prompt)
+                step = LineageStep(
+                    op=Op.GENERATE,
+                    parent=parent.id,
+                    keep=None if keep == parent.num_tokens else keep,
+                    token_ids=tuple(prompt[keep:]),
+                )
+                state = self._new_state(parent, keep, prompt[keep:], step)
+        return self._stream(state, params)
+
+    def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
+        items = [handles] if isinstance(handles, Handle | str) else list(handles)
+        with self._lock:
+            states = [self._lookup(h) for h in items]  # all or nothing
+            if len({s.id for s in states}) != len(states):
+                raise InvalidRequest("the same handle is listed twice")
+            for state in states:
+                self._drop(state)
+                self._released[state.id] = None
+                if len(self._released) > _RELEASED_MEMORY:
+                    self._released.popitem(last=False)
+
+    def stats(self) -> Stats:
+        with self._lock:
+            pool = self.pool
+            bpb = pool.shape.bytes_per_block
+            return Stats(
+                model=self.loaded.name,
+                device=str(pool.device),
+                dtype=str(self.loaded.dtype).removeprefix("torch."),
+                block_size=pool.block_size,
+                blocks_total=pool.num_blocks,
+                blocks_used=pool.num_used,
+                blocks_free=pool.num_free,
+                blocks_shared=pool.num_shared,
+                bytes_per_block=bpb,
+                pool_bytes_total=pool.num_blocks * bpb,
+                pool_bytes_used=pool.num_used * bpb,
+                pool_bytes_free=pool.num_free * bpb,
+                handles_live=len(self._states),
+                tokens_reused=self._tokens_reused,
+                tokens_prefilled=self._tokens_prefilled,
+                tokens_generated=self._tokens_generated,
+            )
+
+    def next_token_logits(self, handle: HandleLike, suffix: Context = "") -> torch.Tensor:
+        """fp32 next-token logits after ``handle`` + ``suffix``, computed on the reuse path.
+
+        Used to measure fidelity against dense prefill; nothing is kept afterwards.
+        """
+        tokens = self._tokens(suffix, what="suffix", allow_empty=True)
+        with self._lock:
+            parent = self._lookup(handle)
+            self._check_context(parent.num_tokens + len(tokens))
+            state = self._new_state(parent, parent.num_tokens, tokens, LineageStep(op=Op.RESUME, parent=parent.id))
+            try:
+                self._reserve(state, state.num_tokens)
+                return self._compute(state).clone()
+            finally:
+                self._drop(state)
+
+    def describe(self, handle: HandleLike) -> Handle:
+        """The current metadata of a live handle."""
+        with self._lock:
+            return self._handle(self._lookup(handle))
+
+    # -- tokenization ---------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequest(f"text must be a string, got {type(text).__name__}")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(self._tokens(list(token_ids), "token_ids", allow_empty=True)))
+
+    def chat_tokens(
+        self, messages: Sequence[ChatMessage | dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of ``messages`` rendered by the model's chat template, ready for the reply."""
+        if isinstance(messages, str | bytes) or not messages:
+            raise InvalidRequest("messages must be a non-empty list of {role, content} messages")
+        try:
+            rendered = [
+                (m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m)).model_dump(exclude_none=True)
+                for m in messages
+            ]
+        except Exception as exc:  # pydantic's ValidationError, or a non-mapping item
+            raise InvalidRequest(f"invalid chat message: {exc}") from exc
+        text = self.tokenizer.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=False)
+        return self.tokenize(text)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _tokens(self, value: Context, what: str, allow_empty: bool = False) -> list[int]:
+        if isinstance(value, str):
+            tokens = self.tokenize(value)
+        elif isinstance(value, bytes) or not isinstance(value, Sequence | torch.Tensor):
+            raise InvalidRequest(f"{what} must be text or a sequence of token ids, got {type(value).__name__}")
+        else:
+            try:
+                tokens = [operator.index(t) for t in value]
+            except TypeError:
+                raise InvalidRequest(f"{what} token ids must be integers") from None
+            vocab = self.loaded.vocab_size
+            bad = next((t for t in tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequest(f"{what} has token id {bad} outside the vocabulary 0..{vocab - 1}")
+        if not tokens and not allow_empty:
+            raise InvalidRequest(f"{what} is empty")
+        return tokens
+
+    def _check_context(self, prompt_tokens: int, max_new_tokens: int = 0) -> None:
+        limit = self.loaded.max_context
+        if prompt_tokens + max_new_tokens > limit:
+            raise ContextTooLong(
+                f"{prompt_tokens} prompt tokens + max_tokens {max_new_tokens} exceed the model's "
+                f"context of {limit} tokens"
+            )
+
+    def _lookup(self, handle: HandleLike) -> KVState:
+        if isinstance(handle, Handle):
+            self._check_compatible(handle)
+            handle_id = handle.id
+        elif isinstance(handle, str):
+            handle_id = handle
+        else:
+            raise InvalidRequest(f"expected a Handle or a handle id, got {type(handle).__name__}")
+        state = self._states.get(handle_id)
+        if state is not None:
+            return state
+        if handle_id in self._released:
+            raise HandleReleased(f"handle {handle_id} was released")
+        raise HandleNotFound(f"no handle {handle_id} in this engine")
+
+    def _check_compatible(self, handle: Handle) -> None:
+        lm = self.loaded
+        if handle.model_fingerprint != lm.fingerprint:
+            raise IncompatibleHandle(
+                f"handle {handle.id} was made by model {handle.model!r} (fingerprint {handle.model_fingerprint}); "
+                f"this engine runs {lm.name!r} in {lm.dtype} (fingerprint {lm.fingerprint})"
+            )
+        if handle.tokenizer_fingerprint != lm.tokenizer_fingerprint:
+            raise IncompatibleHandle(f"handle {handle.id} was tokenized by a different tokenizer")
+        if handle.positions != self.positions:
+            raise IncompatibleHandle(
+                f"handle {handle.id} has positional layout {handle.positions.model_dump()}, "
+                f"this engine needs {self.positions.model_dump()}"
+            )
+
+    def _new_state(
+        self, parent: KVState | None, keep: int, added: Sequence[int], step: LineageStep
+    ) -> KVState:
+        """A state sharing the K/V of ``parent``'s first ``keep`` tokens, followed by ``added``."""
+        if parent is None:
+            return KVState(id=new_handle_id(), token_ids=list(added), blocks=[], num_cached=0, lineage=(step,))
+        cached = min(keep, parent.num_cached)
+        logits = parent.last_logits if keep == parent.num_tokens and cached == keep and not added else None
+        if not added and logits is None:
+            cached = min(cached, keep - 1)  # the last token must run again to produce next-token logits
+        blocks = parent.blocks[: -(-cached // self.block_size)] if cached > 0 else []
+        self.pool.incref(blocks)
+        return KVState(
+            id=new_handle_id(),
+            token_ids=parent.token_ids[:keep] + list(added),
+            blocks=list(blocks),
+            num_cached=cached,
+            lineage=parent.lineage + (step,),
+            last_logits=logits,
+        )
+
+    def _handle(self, state: KVState) -> Handle:
+        lm = self.loaded
+        return Handle(
+            id=state.id,
+            model=lm.name,
+            model_fingerprint=lm.fingerprint,
+            tokenizer_fingerprint=lm.tokenizer_fingerprint,
+            num_tokens=state.num_tokens,
+            positions=self.positions,
+            lineage=state.lineage,
+            placement=self.placement,
+        )
+
+    def _reserve(self, state: KVState, num_tokens: int) -> None:
+        """Make ``state`` own writable blocks for positions ``num_cached..num_tokens-1``, or raise."""
+        bs = self.block_size
+        write_at = state.num_cached
+        cow = write_at % bs != 0 and write_at < num_tokens and self.pool.refcount(state.blocks[write_at // bs]) > 1
+        missing = max(0, -(-num_tokens // bs) - len(state.blocks))
+        needed = missing + int(cow)
+        if needed > self.pool.num_free:
+            raise PoolExhausted(
+                f"KV pool exhausted: the request needs {needed} more blocks of {bs} tokens, "
+                f"{self.pool.num_free} of {self.pool.num_blocks} are free; release handles or raise kv_budget"
+            )
+        if cow:
+            shared = state.blocks[write_at // bs]
+            (private,) = self.pool.allocate(1)
+            self.pool.copy_block(shared, private, write_at % bs)
+            self.pool.decref([shared])
+            state.blocks[write_at // bs] = private
+        if missing:
+            state.blocks.extend(self.pool.allocate(missing))
+
+    def _compute(self, state: KVState) -> torch.Tensor:
+        """Run the model over the state's uncached tokens (blocks reserved); return last logits."""
+        logits = state.last_logits
+        while state.num_cached < state.num_tokens:
+            start = state.num_cached
+            end = min(state.num_tokens, start + self.prefill_chunk)
+            logits = self.runner.forward([Chunk(state.blocks, start, state.token_ids[start:end])])[0]
+            state.num_cached = end
+        state.last_logits = logits
+        assert logits is not None
+        return logits
+
+    def _prefill_registered(self, state: KVState) -> None:
+        """Prefill a new state (under the lock) and register it; free it again on failure."""
+        try:
+            self._reserve(state, state.num_tokens)
+            reused = state.num_cached
+            self._compute(state)
+        except BaseException:
+            self.pool.decref(state.blocks)
+            raise
+        self._tokens_reused += reused
+        self._tokens_prefilled += state.num_tokens - reused
+        self._states[state.id] = state
+
+    def _trim(self, state: KVState) -> None:
+        keep = -(-state.num_tokens // self.block_size)
+        if len(state.blocks) > keep:
+            self.pool.decref(state.blocks[keep:])
+            del state.blocks[keep:]
+
+    def _drop(self, state: KVState) -> None:
+        self.pool.decref(state.blocks)
+        state.blocks = []
+        state.last_logits = None
+        self._states.pop(state.id, None)
+
+    def _stream(self, state: KVState, params: SamplingParams) -> TokenStream:
+        chunks = self._decode(state, params)
+        next(chunks)  # run up to the sentinel so that closing the stream, even unread, frees the state
+        return TokenStream(chunks)  # type: ignore[arg-type]
+
+    def _decode(self, state: KVState, params: SamplingParams) -> Generator[StreamChunk | None, None, Result]:
+        """Prefill the uncached prompt, then generate token by token, yielding text as it becomes final.
+
+        The lock is taken per model step, never across a ``yield``, so an idle stream consumer
+        cannot block other requests. Blocks for the whole request are reserved up front: a request
+        that starts always finishes.
+        """
+        prompt_len = state.num_tokens
+        reused = state.num_cached
+        generated: list[int] = []
+        registered = False
+        try:
+            yield None  # sentinel, consumed by _stream
+            t0 = time.perf_counter()
+            with self._lock:
+                # The last generated token is never written: it stays pending for the next user.
+                self._reserve(state, prompt_len + params.max_tokens - 1)
+                logits = self._compute(state)
+                self._tokens_reused += reused
+                self._tokens_prefilled += prompt_len - reused
+            rng = make_generator(params, self.loaded.device)
+            detok = Detokenizer(self.tokenizer, params.stop)
+            ttft = 0.0
+            finish: str | None = None
+            while finish is None:
+                token = sample(logits, params, rng)
+                if not generated:
+                    ttft = time.perf_counter() - t0
+                generated.append(token)
+                state.token_ids.append(token)
+                state.last_logits = None
+                delta = detok.add(token)
+                if detok.stopped or (token in self.loaded.eos_token_ids and not params.ignore_eos):
+                    finish = "stop"
+                elif len(generated) >= params.max_tokens:
+                    finish = "length"
+                else:
+                    with self._lock:
+                        logits = self._compute(state)
+                if finish is not None:
+                    delta += detok.flush()
+                yield StreamChunk(text=delta, token_ids=[token])
+            with self._lock:
+                self._trim(state)
+                last = state.lineage[-1]
+                state.lineage = state.lineage[:-1] + (
+                    last.model_copy(update={"token_ids": last.token_ids + tuple(generated)}),
+                )
+                self._states[state.id] = state
+                self._tokens_generated += len(generated)
+                registered = True
+                handle = self._handle(state)
+        finally:
+            if not registered:  # error or abandoned stream: give everything back
+                with self._lock:
+                    self._drop(state)
+        return Result(
+            text=detok.text,
+            token_ids=generated,
+            handle=handle,
+            finish_reason=finish,  # type: ignore[arg-type]
+            timings=Timings(
+                ttft_s=ttft,
+                total_s=time.perf_counter() - t0,
+                tokens_reused=reused,
+                tokens_prefilled=prompt_len - reused,
+                tokens_generated=len(generated),
+            ),
+        )
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

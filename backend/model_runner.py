@@ -1,0 +1,59 @@
+"""One forward pass of the model over a packed batch of sequence chunks.
+
+Each chunk is a run of new tokens of one sequence whose earlier tokens are already in the pool.
+All chunks are concatenated into a single ``[1, total_tokens]`` input (prefill chunks and decode
+steps alike), so the weights are read once per step for every sequence in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .attention import BATCH_KWARG, AttentionBatch, build_seq_attention
+from .block_pool import BlockPool
+from .loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New tokens of one sequence. ``blocks`` must already cover positions ``0..start+len(tokens)-1``."""
+
+    blocks: Sequence[int]
+    start: int
+    token_ids: Sequence[int]
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, pool: BlockPool) -> None:
+        self.loaded = loaded
+        self.pool = pool
+        self._model = loaded.model
+        self._device = loaded.device
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """Write the chunks' K/V into the pool; return fp32 logits of each chunk's last token."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seqs = []
+        last: list[int] = []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            seqs.append(build_seq_attention(self.pool, list(chunk.blocks), len(input_ids), chunk.start, n))
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, chunk.start + n))
+            last.append(len(input_ids) - 1)
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self._device)
+        pos = torch.tensor([positions], dtype=torch.long, device=self._device)
+        hidden = self._model.model(
+            input_ids=ids,
+            position_ids=pos,
+            use_cache=False,
+            **{BATCH_KWARG: AttentionBatch(pool=self.pool, seqs=seqs)},
+        ).last_hidden_state
+        # Only the last token of each chunk needs logits: skip the LM head everywhere else.
+        picked = hidden[0, torch.tensor(last, device=self._device)]
+        return self._model.lm_head(picked).float()

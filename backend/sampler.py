@@ -1,0 +1,37 @@
+"""Turning next-token logits into a token under a request's sampling parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbaton.types import SamplingParams
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A per-request RNG, so a seeded request is reproducible whatever else runs beside it."""
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    else:
+        gen.seed()
+    return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one token from ``logits`` (``[vocab]``, fp32)."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scores = logits / params.temperature
+    if params.top_k and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens before it already cover top_p (the first always stays).
+        drop = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
+        scores = scores.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,30 @@
+"""The engine-side KV state behind a handle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbaton.handle import LineageStep
+
+
+@dataclass
+class KVState:
+    """Tokens, the blocks holding their K/V, and the lineage that produced them.
+
+    ``num_cached`` tokens have K/V in ``blocks``; the rest (at most the last generated token of a
+    ``resume``) are computed on next use. ``last_logits`` are the next-token logits after the last
+    token when known, so a state can be resumed with an empty suffix without recomputing anything.
+    """
+
+    id: str
+    token_ids: list[int]
+    blocks: list[int]
+    num_cached: int
+    lineage: tuple[LineageStep, ...]
+    last_logits: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)

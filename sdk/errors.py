@@ -1,0 +1,78 @@
+"""Typed exceptions of the kvbaton SDK.
+
+Every error carries a stable machine-readable ``code``; the server issue maps these codes to one
+JSON error schema, and the HTTP client maps them back, so embedded and remote users catch the same
+types.
+"""
+
+from __future__ import annotations
+
+
+class KvbatonError(Exception):
+    """Base class of every error kvbaton raises on purpose."""
+
+    code: str = "kvbaton_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(KvbatonError, ValueError):
+    """Arguments that can never succeed: bad sampling values, empty input, wrong types."""
+
+    code = "invalid_request"
+
+
+class ContextTooLong(InvalidRequest):
+    """The prompt (plus requested new tokens) does not fit the model's context window."""
+
+    code = "context_too_long"
+
+
+class HandleNotFound(KvbatonError, KeyError):
+    """No KV state with this id exists here (never existed, or belongs to someone else)."""
+
+    code = "handle_not_found"
+
+    def __str__(self) -> str:  # KeyError would quote the message otherwise
+        return self.message
+
+
+class HandleReleased(KvbatonError):
+    """The handle existed but was released; its KV is gone."""
+
+    code = "handle_released"
+
+
+class IncompatibleHandle(KvbatonError):
+    """The handle was made by another model, tokenizer or positional layout."""
+
+    code = "incompatible_handle"
+
+
+class PoolExhausted(KvbatonError):
+    """The KV block pool has no room for the request; release handles or raise the budget."""
+
+    code = "pool_exhausted"
+
+
+class ModelNotFound(KvbatonError):
+    """The requested model is not installed or not a supported local checkpoint."""
+
+    code = "model_not_found"
+
+
+ERRORS_BY_CODE: dict[str, type[KvbatonError]] = {
+    cls.code: cls
+    for cls in (
+        KvbatonError,
+        InvalidRequest,
+        ContextTooLong,
+        HandleNotFound,
+        HandleReleased,
+        IncompatibleHandle,
+        PoolExhausted,
+        ModelNotFound,
+    )
+}
