@@ -8,7 +8,7 @@ Operators (each returns new, immutable handles; inputs stay valid until released
 - ``resume(handle, suffix, sampling)``: prefill the suffix and generate; the result carries a
   handle covering prefix + suffix + generated tokens.
 - ``generate(messages, handle=None)``: chat-templated generation reusing a handle's KV for the
-  longest common token prefix.
+  longest common token prefix; ``complete(prompt)``: plain completion without a handle.
 - ``release(handle)``: drop the handle's block references.
 
 Copy-on-write keeps forks safe: a write into a partially filled block that another handle also
@@ -148,6 +148,18 @@ class Engine:
             state = self._new_state(parent, parent.num_tokens, tokens, step)
         return self._stream(state, params)
 
+    def complete(self, prompt: Context, sampling: SamplingParams | None = None) -> Result:
+        return self.complete_stream(prompt, sampling).until_done()
+
+    def complete_stream(self, prompt: Context, sampling: SamplingParams | None = None) -> TokenStream:
+        """Plain completion of raw text or tokens, no handle and no chat template."""
+        params = sampling or SamplingParams()
+        tokens = self._tokens(prompt, what="prompt")
+        self._check_context(len(tokens), params.max_tokens)
+        with self._lock:
+            state = self._new_state(None, 0, tokens, LineageStep(op=Op.GENERATE, token_ids=tuple(tokens)))
+        return self._stream(state, params)
+
     def generate(
         self,
         messages: Sequence[ChatMessage | dict[str, Any]],
@@ -250,9 +262,17 @@ class Engine:
         return str(self.tokenizer.decode(self._tokens(list(token_ids), "token_ids", allow_empty=True)))
 
     def chat_tokens(
-        self, messages: Sequence[ChatMessage | dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[ChatMessage | dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Token ids of ``messages`` rendered by the model's chat template, ready for the reply."""
+        """Token ids of ``messages`` rendered by the model's chat template.
+
+        With ``add_generation_prompt`` (the default) they end ready for the assistant's reply;
+        without, they are a prefix of any longer conversation, the shape to materialize shared context in.
+        """
         if isinstance(messages, str | bytes) or not messages:
             raise InvalidRequest("messages must be a non-empty list of {role, content} messages")
         try:
@@ -262,7 +282,9 @@ class Engine:
             ]
         except Exception as exc:  # pydantic's ValidationError, or a non-mapping item
             raise InvalidRequest(f"invalid chat message: {exc}") from exc
-        text = self.tokenizer.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            rendered, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         return self.tokenize(text)
 
     # -- internals ----------------------------------------------------------------------------

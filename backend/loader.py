@@ -206,10 +206,18 @@ def _load(name: str, path: Path, dtype: torch.dtype, device: torch.device, attn:
             f"{path}: model_type {config.model_type!r} is not supported; "
             f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
+    from transformers.utils import logging as hf_logging
+
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True, attn_implementation=attn
-    )
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # loading a cached checkpoint takes about a second: no bar
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, attn_implementation=attn
+        )
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     model.to(device).eval().requires_grad_(False)
     rope = dict(getattr(config, "rope_parameters", None) or {})
     rope_type = str(rope.get("rope_type", "default"))

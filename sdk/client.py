@@ -62,6 +62,16 @@ class Client(abc.ABC):
         """Like :meth:`resume`, yielding text as it is generated."""
 
     @abc.abstractmethod
+    def complete(self, prompt: Context, *, sampling: SamplingParams | None = None, **options: Any) -> Result:
+        """Plain completion of text or token ids, without a handle or chat template (text replay)."""
+
+    @abc.abstractmethod
+    def complete_stream(
+        self, prompt: Context, *, sampling: SamplingParams | None = None, **options: Any
+    ) -> TokenStream:
+        """Like :meth:`complete`, yielding text as it is generated."""
+
+    @abc.abstractmethod
     def generate(
         self,
         messages: Messages,
@@ -100,6 +110,17 @@ class Client(abc.ABC):
     @abc.abstractmethod
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``."""
+
+    @abc.abstractmethod
+    def chat_tokens(
+        self,
+        messages: Messages,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """``messages`` rendered by the model's chat template, as token ids. Without the generation
+        prompt they are a prefix of any longer conversation: materialize shared context that way."""
 
     def close(self) -> None:
         """Free the client's resources. The client is unusable afterwards."""

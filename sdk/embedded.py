@@ -40,6 +40,14 @@ class EmbeddedClient(Client):
     ) -> TokenStream:
         return self.engine.resume_stream(handle, suffix, sampling_params(sampling, options))
 
+    def complete(self, prompt: Context, *, sampling: SamplingParams | None = None, **options: Any) -> Result:
+        return self.engine.complete(prompt, sampling_params(sampling, options))
+
+    def complete_stream(
+        self, prompt: Context, *, sampling: SamplingParams | None = None, **options: Any
+    ) -> TokenStream:
+        return self.engine.complete_stream(prompt, sampling_params(sampling, options))
+
     def generate(
         self,
         messages: Messages,
@@ -77,3 +85,12 @@ class EmbeddedClient(Client):
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.engine.detokenize(token_ids)
+
+    def chat_tokens(
+        self,
+        messages: Messages,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        return self.engine.chat_tokens(messages, tools=tools, add_generation_prompt=add_generation_prompt)

@@ -1,0 +1,23 @@
+"""``python -m kvbaton.bench <name>``: run one benchmark, print its table, write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCHMARKS = {
+    "ttft": ("kvbaton.bench.ttft", "TTFT: text replay vs resume from a handle vs the question-only floor"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m kvbaton.bench", description="kvbaton benchmarks")
+    parser.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHMARKS.items()))
+    args, rest = parser.parse_known_args(argv[:1])
+    importlib.import_module(BENCHMARKS[args.name][0]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Helpers shared by the benchmark scripts: machine facts, tables, JSON results."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def median_time(fn: Callable[[], Any], repeats: int, cleanup: Callable[[Any], None] | None = None) -> float:
+    times = []
+    for _ in range(repeats):
+        seconds, out = timed(fn)
+        times.append(seconds)
+        if cleanup is not None:
+            cleanup(out)
+    return statistics.median(times)
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    head = "| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |"
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(v.rjust(w) for v, w in zip(r, widths)) + " |" for r in cells]
+    return "\n".join([head, rule, *body])
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if value < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def write_results(results_dir: str | os.PathLike[str], name: str, payload: dict[str, Any]) -> Path:
+    out = Path(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path

@@ -1,0 +1,94 @@
+"""TTFT of text replay vs resuming a handle vs the question-only floor, side by side in one run.
+
+(a) text replay: dense prefill of context + question, then the first token.
+(b) resume: the context is a handle; prefill only the question behind it, then the first token.
+(c) floor: prefill of the question tokens alone plus one decode step (no context at all).
+Also shown: plain transformers' forward over context + question (no kvbaton), for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from kvbaton import SamplingParams
+from kvbaton.bench.common import format_table, machine_info, median_time, write_results
+from kvbaton.bench.corpus import QUESTIONS, document
+
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
+
+
+def run(lengths: tuple[int, ...] = DEFAULT_LENGTHS, repeats: int = 3, with_hf: bool = True) -> dict[str, Any]:
+    from kvbaton.backend import Engine, load_model
+
+    engine = Engine(kv_budget="2GiB")
+    corpus = engine.tokenize(document(int(max(lengths) * 0.9) + 200, seed=11))
+    if len(corpus) < max(lengths):
+        raise RuntimeError("corpus too short for the requested context lengths")
+    question = engine.tokenize("\n\nQuestion: " + QUESTIONS[0] + "\nAnswer:")
+    first = SamplingParams(max_tokens=1, ignore_eos=True)
+    two = SamplingParams(max_tokens=2, ignore_eos=True)
+    hf = load_model(attn_implementation="sdpa").model if with_hf else None
+    release = lambda result: engine.release(result.handle)  # noqa: E731
+
+    # Warm up allocator and kernels so the first measured row is not penalised.
+    warm = engine.materialize(corpus[:64])
+    release(engine.resume(warm, question, first))
+    engine.release(warm)
+
+    rows = []
+    for length in tqdm(lengths, desc="ttft", unit="context"):
+        context = corpus[:length]
+        handle = engine.materialize(context)
+        replay = median_time(lambda: engine.complete(context + question, first), repeats, release)
+        resume = median_time(lambda: engine.resume(handle, question, first), repeats, release)
+        floor = median_time(lambda: engine.complete(question, two), repeats, release)
+        row: dict[str, Any] = {
+            "context_tokens": length,
+            "question_tokens": len(question),
+            "replay_s": replay,
+            "resume_s": resume,
+            "floor_s": floor,
+            "replay_over_resume": replay / resume,
+            "resume_over_floor": resume / floor,
+        }
+        if hf is not None:
+            ids = torch.tensor([context + question])
+            with torch.inference_mode():
+                row["hf_dense_prefill_s"] = median_time(lambda: hf(ids, logits_to_keep=1), repeats)
+        engine.release(handle)
+        rows.append(row)
+    assert engine.stats().blocks_used == 0
+    return {"benchmark": "ttft", "model": engine.loaded.name, "dtype": "float32", "repeats": repeats,
+            "machine": machine_info(), "rows": rows}
+
+
+def table(payload: dict[str, Any]) -> str:
+    columns = ["context", "(a) replay s", "(b) resume s", "(c) floor s", "(a)/(b)", "(b)/(c)"]
+    has_hf = all("hf_dense_prefill_s" in r for r in payload["rows"])
+    if has_hf:
+        columns.append("HF dense s")
+    rows = []
+    for r in payload["rows"]:
+        row = [r["context_tokens"], r["replay_s"], r["resume_s"], r["floor_s"],
+               f"{r['replay_over_resume']:.1f}x", f"{r['resume_over_floor']:.2f}x"]
+        if has_hf:
+            row.append(r["hf_dense_prefill_s"])
+        rows.append(row)
+    return format_table(columns, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvbaton.bench ttft", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="context lengths")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per cell (median reported)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the plain-transformers reference column")
+    parser.add_argument("--results-dir", default="results", help="where ttft.json is written")
+    args = parser.parse_args(argv)
+    payload = run(tuple(args.lengths), args.repeats, with_hf=not args.no_hf)
+    print(table(payload))
+    print(f"\nwritten: {write_results(args.results_dir, 'ttft', payload)}")
