@@ -109,6 +109,16 @@ class BlockPool:
         self.k[:, :, d : d + num_tokens].copy_(self.k[:, :, s : s + num_tokens])
         self.v[:, :, d : d + num_tokens].copy_(self.v[:, :, s : s + num_tokens])
 
+    def read_block(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of one block's K and V, each ``[layers, kv_heads, block_size, head_dim]``."""
+        s = block * self.block_size
+        return self.k[:, :, s : s + self.block_size].clone(), self.v[:, :, s : s + self.block_size].clone()
+
+    def write_block(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        s = block * self.block_size
+        self.k[:, :, s : s + self.block_size].copy_(k, non_blocking=True)
+        self.v[:, :, s : s + self.block_size].copy_(v, non_blocking=True)
+
     def slots(self, blocks: Sequence[int], start: int, end: int) -> torch.Tensor | slice:
         """Pool slots of token positions ``start..end-1`` of a sequence with block table ``blocks``.
 

@@ -38,21 +38,26 @@ from kvbaton.errors import (
 )
 from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, new_handle_id
 from kvbaton.stream import TokenStream
-from kvbaton.types import ChatMessage, Result, SamplingParams, Stats, StreamChunk, Timings
+from kvbaton.types import AgentInfo, AgentStats, CacheStats, ChatMessage, Result, SamplingParams, Stats, StreamChunk, Timings
 
 from .attention import ATTN_IMPLEMENTATION
 from .block_pool import BlockPool, PoolShape, blocks_for_budget
 from .detokenizer import Detokenizer
-from .loader import LoadedModel, load_model
+from .eviction import EvictionPolicy, make_policy
+from .loader import LoadedModel, cache_dir, load_model
 from .model_runner import Chunk, ModelRunner
+from .prefetch import Prefetcher
+from .radix import NodeState, RadixCache
 from .sampler import make_generator, sample
 from .sequence import KVState
+from .tiers import TierDataError, make_tier
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_BUDGET = "1GiB"
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 1024
+DEFAULT_LOOKAHEAD = 2
 MAX_FORK = 1024
 _RELEASED_MEMORY = 1_000_000  # remembered released ids, so late users get HandleReleased, not NotFound
 
@@ -72,9 +77,16 @@ class Engine:
         kv_budget: int | str = DEFAULT_KV_BUDGET,
         block_size: int = DEFAULT_BLOCK_SIZE,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefix_cache: bool = True,
+        eviction: str | EvictionPolicy = "ste",
+        tiers: Sequence[str] = (),
+        prefetch: bool = True,
+        lookahead: int = DEFAULT_LOOKAHEAD,
     ) -> None:
-        if block_size < 1 or prefill_chunk < 1:
-            raise InvalidRequest("block_size and prefill_chunk must be positive")
+        if block_size < 1 or prefill_chunk < 1 or lookahead < 0:
+            raise InvalidRequest("block_size and prefill_chunk must be positive, lookahead >= 0")
+        if tiers and not prefix_cache:
+            raise InvalidRequest("slow tiers hold evicted prefix-cache blocks: they need prefix_cache=True")
         self.loaded: LoadedModel = load_model(
             model, dtype=dtype, device=device, attn_implementation=ATTN_IMPLEMENTATION
         )
@@ -92,31 +104,46 @@ class Engine:
         self._states: dict[str, KVState] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.RLock()
+        self._loaded = threading.Condition(self._lock)  # signalled when slow-tier blocks arrive
         self._tokens_reused = 0
         self._tokens_prefilled = 0
         self._tokens_generated = 0
+        self.lookahead = lookahead
+        self._ste: dict[str, float] = {}
+        self._ttft: dict[str, list[float]] = {}
+        self._tier_hits: dict[str, int] = {}
+        self._blocks_loaded_reactive = 0
+        self._prefetch_hits = 0
+        self.cache: RadixCache | None = None
+        self.prefetcher: Prefetcher | None = None
+        if prefix_cache:
+            policy = eviction if isinstance(eviction, EvictionPolicy) else make_policy(eviction, self._ste)
+            slow = [make_tier(t, shape.bytes_per_block, lm.device, cache_dir() / "tiers") for t in tiers]
+            self.cache = RadixCache(self.pool, policy, slow)
+            if slow and prefetch:
+                self.prefetcher = Prefetcher(self.cache, self._lock, self._loaded, self._ste)
         log.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens",
             lm.name, dtype, device, self.pool.num_blocks, block_size,
         )
 
     # -- public operators ---------------------------------------------------------------------
-    def materialize(self, context: Context) -> Handle:
+    def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
         tokens = self._tokens(context, what="context")
         self._check_context(len(tokens))
         with self._lock:
             state = self._new_state(None, 0, tokens, LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)))
-            self._prefill_registered(state)
+            self._prefill_registered(state, agent)
             return self._handle(state)
 
-    def extend(self, handle: HandleLike, context: Context) -> Handle:
+    def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
         tokens = self._tokens(context, what="context")
         with self._lock:
             parent = self._lookup(handle)
             self._check_context(parent.num_tokens + len(tokens))
             step = LineageStep(op=Op.EXTEND, parent=parent.id, token_ids=tuple(tokens))
             state = self._new_state(parent, parent.num_tokens, tokens, step)
-            self._prefill_registered(state)
+            self._prefill_registered(state, agent)
             return self._handle(state)
 
     def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
@@ -132,12 +159,14 @@ class Engine:
             return children
 
     def resume(
-        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None
+        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None,
+        *, agent: str | None = None,
     ) -> Result:
-        return self.resume_stream(handle, suffix, sampling).until_done()
+        return self.resume_stream(handle, suffix, sampling, agent=agent).until_done()
 
     def resume_stream(
-        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None
+        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None,
+        *, agent: str | None = None,
     ) -> TokenStream:
         params = sampling or SamplingParams()
         tokens = self._tokens(suffix, what="suffix", allow_empty=True)
@@ -146,19 +175,23 @@ class Engine:
             self._check_context(parent.num_tokens + len(tokens), params.max_tokens)
             step = LineageStep(op=Op.RESUME, parent=parent.id, token_ids=tuple(tokens))
             state = self._new_state(parent, parent.num_tokens, tokens, step)
-        return self._stream(state, params)
+        return self._stream(state, params, agent)
 
-    def complete(self, prompt: Context, sampling: SamplingParams | None = None) -> Result:
-        return self.complete_stream(prompt, sampling).until_done()
+    def complete(
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None
+    ) -> Result:
+        return self.complete_stream(prompt, sampling, agent=agent).until_done()
 
-    def complete_stream(self, prompt: Context, sampling: SamplingParams | None = None) -> TokenStream:
+    def complete_stream(
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None
+    ) -> TokenStream:
         """Plain completion of raw text or tokens, no handle and no chat template."""
         params = sampling or SamplingParams()
         tokens = self._tokens(prompt, what="prompt")
         self._check_context(len(tokens), params.max_tokens)
         with self._lock:
             state = self._new_state(None, 0, tokens, LineageStep(op=Op.GENERATE, token_ids=tuple(tokens)))
-        return self._stream(state, params)
+        return self._stream(state, params, agent)
 
     def generate(
         self,
@@ -167,8 +200,9 @@ class Engine:
         handle: HandleLike | None = None,
         sampling: SamplingParams | None = None,
         tools: list[dict[str, Any]] | None = None,
+        agent: str | None = None,
     ) -> Result:
-        return self.generate_stream(messages, handle=handle, sampling=sampling, tools=tools).until_done()
+        return self.generate_stream(messages, handle=handle, sampling=sampling, tools=tools, agent=agent).until_done()
 
     def generate_stream(
         self,
@@ -177,6 +211,7 @@ class Engine:
         handle: HandleLike | None = None,
         sampling: SamplingParams | None = None,
         tools: list[dict[str, Any]] | None = None,
+        agent: str | None = None,
     ) -> TokenStream:
         params = sampling or SamplingParams()
         prompt = self.chat_tokens(messages, tools=tools)
@@ -194,7 +229,7 @@ class Engine:
                     token_ids=tuple(prompt[keep:]),
                 )
                 state = self._new_state(parent, keep, prompt[keep:], step)
-        return self._stream(state, params)
+        return self._stream(state, params, agent)
 
     def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
         items = [handles] if isinstance(handles, Handle | str) else list(handles)
@@ -212,6 +247,7 @@ class Engine:
         with self._lock:
             pool = self.pool
             bpb = pool.shape.bytes_per_block
+            cached = self.cache.cached_blocks() if self.cache is not None else set()
             return Stats(
                 model=self.loaded.name,
                 device=str(pool.device),
@@ -220,7 +256,6 @@ class Engine:
                 blocks_total=pool.num_blocks,
                 blocks_used=pool.num_used,
                 blocks_free=pool.num_free,
-                blocks_shared=pool.num_shared,
                 bytes_per_block=bpb,
                 pool_bytes_total=pool.num_blocks * bpb,
                 pool_bytes_used=pool.num_used * bpb,
@@ -229,7 +264,40 @@ class Engine:
                 tokens_reused=self._tokens_reused,
                 tokens_prefilled=self._tokens_prefilled,
                 tokens_generated=self._tokens_generated,
+                blocks_shared=self._blocks_shared(cached),
+                blocks_cached=len(cached),
+                blocks_cache_only=sum(1 for b in cached if pool.refcount(b) == 1),
+                cache=self._cache_stats(),
+                agents={
+                    a: AgentStats(requests=len(t), ttft_mean_s=sum(t) / len(t), ttft_p90_s=_p90(t))
+                    for a, t in self._ttft.items()
+                },
             )
+
+    def _blocks_shared(self, cached: set[int]) -> int:
+        """Blocks referenced by more than one handle or request (the cache's own reference aside)."""
+        return sum(1 for b in range(self.pool.num_blocks) if self.pool.refcount(b) - (b in cached) > 1)
+
+    def _cache_stats(self) -> CacheStats | None:
+        cache = self.cache
+        if cache is None:
+            return None
+        prefetched = self.prefetcher.blocks_prefetched if self.prefetcher else 0
+        return CacheStats(
+            policy=cache.policy.name,
+            tiers=[t.name for t in cache.tiers],
+            hits_blocks=dict(self._tier_hits),
+            nodes_on_device=cache.device_nodes,
+            nodes_per_tier={t.name: cache.nodes_in_tier(i) for i, t in enumerate(cache.tiers)},
+            bytes_offloaded=cache.bytes_offloaded,
+            bytes_prefetched=self.prefetcher.bytes_prefetched if self.prefetcher else 0,
+            bytes_loaded_on_demand=self._blocks_loaded_reactive * self.pool.shape.bytes_per_block,
+            blocks_prefetched=prefetched,
+            prefetch_hits=self._prefetch_hits,
+            prefetch_hit_rate=self._prefetch_hits / prefetched if prefetched else 0.0,
+            tier_errors=cache.tier_errors,
+            steps_to_execution=dict(self._ste),
+        )
 
     def next_token_logits(self, handle: HandleLike, suffix: Context = "") -> torch.Tensor:
         """fp32 next-token logits after ``handle`` + ``suffix``, computed on the reuse path.
@@ -245,6 +313,80 @@ class Engine:
                 self._reserve(state, state.num_tokens)
                 return self._compute(state).clone()
             finally:
+                self._drop(state)
+
+    # -- workflow awareness ---------------------------------------------------------------------
+    def register_agent(
+        self, name: str, fixed_prompt: Context | Sequence[ChatMessage | dict[str, Any]], *, prefill: bool = False
+    ) -> AgentInfo:
+        """Declare an agent's fixed prompt (system prompt, tools, few-shot) for workflow-aware caching.
+
+        ``fixed_prompt`` is text, token ids, or chat messages (rendered without the generation
+        prompt, so it is a prefix of the agent's requests). The radix nodes spelling it take the
+        agent's steps-to-execution. With ``prefill=True`` it is computed into the cache now.
+        """
+        _check_agent(name)
+        if name is None:
+            raise InvalidRequest("agent name is required")
+        if isinstance(fixed_prompt, Sequence) and fixed_prompt and isinstance(fixed_prompt[0], ChatMessage | dict):
+            tokens = self.chat_tokens(fixed_prompt, add_generation_prompt=False)  # type: ignore[arg-type]
+        else:
+            tokens = self._tokens(fixed_prompt, what="fixed_prompt")  # type: ignore[arg-type]
+        self._check_context(len(tokens))
+        with self._lock:
+            if self.cache is not None:
+                self.cache.register_agent(name, tokens)
+            if prefill:
+                handle = self.materialize(tokens, agent=name)
+                self.release(handle)
+        return AgentInfo(name=name, fixed_tokens=len(tokens))
+
+    def hints(
+        self,
+        steps: Any,
+        running: Iterable[str] = (),
+        finished: Iterable[str] = (),
+    ) -> dict[str, float]:
+        """Update the agents' steps-to-execution and prefetch those due within the look-ahead.
+
+        ``steps`` is a ``{agent: STE}`` mapping or a step graph (anything with
+        ``steps_to_execution(running, finished)``, e.g. :class:`kvbaton.StepGraph`).
+        """
+        if hasattr(steps, "steps_to_execution"):
+            ste = dict(steps.steps_to_execution(running=tuple(running), finished=tuple(finished)))
+        elif isinstance(steps, dict):
+            ste = dict(steps)
+            for agent in running:
+                ste[agent] = 0
+        else:
+            raise InvalidRequest("hints need a {agent: steps} mapping or a step graph")
+        for agent, value in ste.items():
+            _check_agent(agent)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise InvalidRequest(f"steps-to-execution of {agent!r} must be a number >= 0, got {value!r}")
+        with self._lock:
+            self._ste.clear()
+            self._ste.update({a: float(v) for a, v in ste.items()})
+            if self.prefetcher is not None:
+                due = sorted((v, a) for a, v in self._ste.items() if v <= self.lookahead)
+                self.prefetcher.submit([a for _, a in due])
+        return dict(self._ste)
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix not pinned by a live handle (device and slow tiers)."""
+        with self._lock:
+            if self.cache is not None:
+                self.cache.flush()
+
+    def close(self) -> None:
+        """Stop the prefetch worker and delete slow-tier files. Live handles become unusable."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+        with self._lock:
+            if self.cache is not None:
+                self.cache.close()
+            for state in list(self._states.values()):
                 self._drop(state)
 
     def describe(self, handle: HandleLike) -> Handle:
@@ -385,6 +527,8 @@ class Engine:
         cow = write_at % bs != 0 and write_at < num_tokens and self.pool.refcount(state.blocks[write_at // bs]) > 1
         missing = max(0, -(-num_tokens // bs) - len(state.blocks))
         needed = missing + int(cow)
+        if needed > self.pool.num_free and self.cache is not None:
+            self.cache.evict(needed - self.pool.num_free)
         if needed > self.pool.num_free:
             raise PoolExhausted(
                 f"KV pool exhausted: the request needs {needed} more blocks of {bs} tokens, "
@@ -411,12 +555,15 @@ class Engine:
         assert logits is not None
         return logits
 
-    def _prefill_registered(self, state: KVState) -> None:
+    def _prefill_registered(self, state: KVState, agent: str | None = None) -> None:
         """Prefill a new state (under the lock) and register it; free it again on failure."""
         try:
+            _check_agent(agent)
+            self._attach_cached(state)
             self._reserve(state, state.num_tokens)
             reused = state.num_cached
             self._compute(state)
+            self._cache_insert(state)
         except BaseException:
             self.pool.decref(state.blocks)
             raise
@@ -430,18 +577,82 @@ class Engine:
             self.pool.decref(state.blocks[keep:])
             del state.blocks[keep:]
 
+    def _attach_cached(self, state: KVState) -> None:
+        """Take the longest cached prefix of the state's tokens from the radix cache (lock held).
+
+        Blocks waiting in a slow tier are loaded back first (reactively); blocks a prefetch is
+        still loading are waited for with the lock released, so ready requests run meanwhile. A
+        block that cannot be read back is forgotten and its tokens are recomputed.
+        """
+        cache = self.cache
+        if cache is None or state.num_tokens - 1 <= state.num_cached:
+            return
+        while True:
+            path = cache.match(state.token_ids, state.num_tokens - 1)
+            if len(path) * self.block_size <= state.num_cached:
+                return
+            if any(n.state is NodeState.LOADING for n in path):
+                self._loaded.wait(timeout=1.0)
+                continue
+            if not any(n.state is NodeState.SLOW for n in path):
+                break
+            started = cache.begin_load(path)
+            for node in started:
+                tier = cache.tiers[node.tier].name  # type: ignore[index]
+                try:
+                    data = cache.read(node)
+                except TierDataError as exc:
+                    log.warning("%s; recomputing those tokens", exc)
+                    data = None
+                if cache.finish_load(node, data):
+                    self._tier_hits[tier] = self._tier_hits.get(tier, 0) + 1
+                    self._blocks_loaded_reactive += 1
+            self._loaded.notify_all()
+            if not started:
+                break
+        device = []
+        for node in path:
+            if node.state is not NodeState.DEVICE:
+                break
+            device.append(node)
+        if len(device) * self.block_size <= state.num_cached:
+            return
+        for node in device:
+            if node.prefetched:
+                node.prefetched = False
+                self._prefetch_hits += 1
+        self._tier_hits["device"] = self._tier_hits.get("device", 0) + len(device)
+        blocks = [n.block for n in device]
+        self.pool.incref(blocks)  # type: ignore[arg-type]
+        self.pool.decref(state.blocks)
+        state.blocks = blocks  # type: ignore[assignment]
+        state.num_cached = len(blocks) * self.block_size
+        state.last_logits = None
+
+    def _cache_insert(self, state: KVState) -> None:
+        if self.cache is not None:
+            self.cache.insert(state.token_ids, state.blocks, state.num_cached // self.block_size)
+
     def _drop(self, state: KVState) -> None:
         self.pool.decref(state.blocks)
         state.blocks = []
         state.last_logits = None
         self._states.pop(state.id, None)
 
-    def _stream(self, state: KVState, params: SamplingParams) -> TokenStream:
-        chunks = self._decode(state, params)
+    def _stream(self, state: KVState, params: SamplingParams, agent: str | None = None) -> TokenStream:
+        try:
+            _check_agent(agent)
+        except InvalidRequest:
+            with self._lock:
+                self._drop(state)
+            raise
+        chunks = self._decode(state, params, agent)
         next(chunks)  # run up to the sentinel so that closing the stream, even unread, frees the state
         return TokenStream(chunks)  # type: ignore[arg-type]
 
-    def _decode(self, state: KVState, params: SamplingParams) -> Generator[StreamChunk | None, None, Result]:
+    def _decode(
+        self, state: KVState, params: SamplingParams, agent: str | None = None
+    ) -> Generator[StreamChunk | None, None, Result]:
         """Prefill the uncached prompt, then generate token by token, yielding text as it becomes final.
 
         The lock is taken per model step, never across a ``yield``, so an idle stream consumer
@@ -449,16 +660,18 @@ class Engine:
         that starts always finishes.
         """
         prompt_len = state.num_tokens
-        reused = state.num_cached
         generated: list[int] = []
         registered = False
         try:
             yield None  # sentinel, consumed by _stream
             t0 = time.perf_counter()
             with self._lock:
+                self._attach_cached(state)
+                reused = state.num_cached
                 # The last generated token is never written: it stays pending for the next user.
                 self._reserve(state, prompt_len + params.max_tokens - 1)
                 logits = self._compute(state)
+                self._cache_insert(state)
                 self._tokens_reused += reused
                 self._tokens_prefilled += prompt_len - reused
             rng = make_generator(params, self.loaded.device)
@@ -469,6 +682,9 @@ class Engine:
                 token = sample(logits, params, rng)
                 if not generated:
                     ttft = time.perf_counter() - t0
+                    if agent is not None:
+                        with self._lock:
+                            self._ttft.setdefault(agent, []).append(ttft)
                 generated.append(token)
                 state.token_ids.append(token)
                 state.last_logits = None
@@ -485,6 +701,7 @@ class Engine:
                 yield StreamChunk(text=delta, token_ids=[token])
             with self._lock:
                 self._trim(state)
+                self._cache_insert(state)
                 last = state.lineage[-1]
                 state.lineage = state.lineage[:-1] + (
                     last.model_copy(update={"token_ids": last.token_ids + tuple(generated)}),
@@ -510,6 +727,16 @@ class Engine:
                 tokens_generated=len(generated),
             ),
         )
+
+
+def _check_agent(agent: str | None) -> None:
+    if agent is not None and (not isinstance(agent, str) or not agent or len(agent) > 256):
+        raise InvalidRequest("agent must be a non-empty string of at most 256 characters")
+
+
+def _p90(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

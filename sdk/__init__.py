@@ -12,12 +12,18 @@ from .errors import (
     PoolExhausted,
 )
 from .handle import Handle, LineageStep, Op, Placement, Positions
+from .stepgraph import StepGraph, StepGraphSpec
 from .stream import TokenStream
-from .types import ChatMessage, Result, SamplingParams, Stats, StreamChunk, Timings
+from .types import AgentInfo, AgentStats, CacheStats, ChatMessage, Result, SamplingParams, Stats, StreamChunk, Timings
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgentInfo",
+    "AgentStats",
+    "CacheStats",
+    "StepGraph",
+    "StepGraphSpec",
     "ChatMessage",
     "Client",
     "ContextTooLong",

@@ -59,7 +59,7 @@ class Timings(BaseModel):
 
     ttft_s: float = Field(description="Request start to first generated token.")
     total_s: float
-    tokens_reused: int = Field(description="Prompt tokens whose KV came from a handle.")
+    tokens_reused: int = Field(description="Prompt tokens whose KV came from a handle or the prefix cache.")
     tokens_prefilled: int = Field(description="Prompt tokens computed by this request.")
     tokens_generated: int
 
@@ -84,6 +84,37 @@ class StreamChunk(BaseModel):
     token_ids: list[int]
 
 
+class AgentInfo(BaseModel):
+    """A registered agent."""
+
+    name: str
+    fixed_tokens: int
+
+
+class AgentStats(BaseModel):
+    requests: int
+    ttft_mean_s: float
+    ttft_p90_s: float
+
+
+class CacheStats(BaseModel):
+    """Radix prefix cache and slow-tier counters."""
+
+    policy: str
+    tiers: list[str]
+    hits_blocks: dict[str, int] = Field(description="Reused blocks by where they were found: device or a tier.")
+    nodes_on_device: int
+    nodes_per_tier: dict[str, int]
+    bytes_offloaded: int
+    bytes_prefetched: int
+    bytes_loaded_on_demand: int
+    blocks_prefetched: int
+    prefetch_hits: int = Field(description="Prefetched blocks later used by a request.")
+    prefetch_hit_rate: float
+    tier_errors: int = Field(description="Slow-tier blocks that could not be read back (recomputed).")
+    steps_to_execution: dict[str, float]
+
+
 class Stats(BaseModel):
     """Pool and reuse counters of one engine."""
 
@@ -94,7 +125,9 @@ class Stats(BaseModel):
     blocks_total: int
     blocks_used: int
     blocks_free: int
-    blocks_shared: int = Field(description="Blocks referenced by more than one handle.")
+    blocks_shared: int = Field(description="Blocks referenced by more than one handle or request.")
+    blocks_cached: int = Field(default=0, description="Blocks held by the prefix cache.")
+    blocks_cache_only: int = Field(default=0, description="Cached blocks no handle uses (evictable).")
     bytes_per_block: int
     pool_bytes_total: int
     pool_bytes_used: int
@@ -103,3 +136,5 @@ class Stats(BaseModel):
     tokens_reused: int
     tokens_prefilled: int
     tokens_generated: int
+    cache: CacheStats | None = None
+    agents: dict[str, AgentStats] = Field(default_factory=dict)

@@ -74,4 +74,5 @@ def test_client_interface_matches_engine():
         stream = client.resume_stream(child, " the city of", max_tokens=4)
         assert "".join(c.text for c in stream) == result.text
         client.release([handle, child, result.handle, stream.result.handle])
-        assert client.stats().blocks_used == 0
+        stats = client.stats()
+        assert stats.handles_live == 0 and stats.blocks_used == stats.blocks_cache_only
