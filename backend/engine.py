@@ -80,6 +80,7 @@ class Engine:
         prefix_cache: bool = True,
         eviction: str | EvictionPolicy = "ste",
         tiers: Sequence[str] = (),
+        tier_eviction: str | None = None,
         prefetch: bool = True,
         lookahead: int = DEFAULT_LOOKAHEAD,
     ) -> None:
@@ -119,7 +120,8 @@ class Engine:
         if prefix_cache:
             policy = eviction if isinstance(eviction, EvictionPolicy) else make_policy(eviction, self._ste)
             slow = [make_tier(t, shape.bytes_per_block, lm.device, cache_dir() / "tiers") for t in tiers]
-            self.cache = RadixCache(self.pool, policy, slow)
+            tier_policy = make_policy(tier_eviction, self._ste) if tier_eviction else None
+            self.cache = RadixCache(self.pool, policy, slow, tier_policy)
             if slow and prefetch:
                 self.prefetcher = Prefetcher(self.cache, self._lock, self._loaded, self._ste)
         log.info(
@@ -598,6 +600,8 @@ class Engine:
                 break
             started = cache.begin_load(path)
             for node in started:
+                if node.state is not NodeState.LOADING:  # dropped with a failed ancestor
+                    continue
                 tier = cache.tiers[node.tier].name  # type: ignore[index]
                 try:
                     data = cache.read(node)

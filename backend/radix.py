@@ -52,9 +52,16 @@ class RadixNode:
 
 
 class RadixCache:
-    def __init__(self, pool: BlockPool, policy: EvictionPolicy, tiers: Sequence[Tier] = ()) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        policy: EvictionPolicy,
+        tiers: Sequence[Tier] = (),
+        tier_policy: EvictionPolicy | None = None,
+    ) -> None:
         self.pool = pool
         self.policy = policy
+        self.tier_policy = tier_policy or policy  # order inside the slow tiers (the same unless ablating)
         self.tiers = list(tiers)
         self.bs = pool.block_size
         self.root = RadixNode(id=0, key=(), parent=None, depth=0)
@@ -195,7 +202,7 @@ class RadixCache:
         candidates = [nd for nd in self._in_tier[index] if not _is_ancestor(nd, exclude)]
         if not candidates:
             return False
-        victim = min(candidates, key=lambda nd: (bool(nd.children), self.policy.priority(nd), nd.id))
+        victim = min(candidates, key=lambda nd: (bool(nd.children), self.tier_policy.priority(nd), nd.id))
         if index + 1 < len(self.tiers):
             try:
                 k, v = self.tiers[index].get(victim.id)
@@ -236,8 +243,10 @@ class RadixCache:
 
     def read(self, node: RadixNode) -> tuple[torch.Tensor, torch.Tensor]:
         """Fetch a loading node's data from its tier (no lock needed; may raise TierDataError)."""
-        assert node.tier is not None
-        return self.tiers[node.tier].get(node.id)
+        tier = node.tier
+        if tier is None:
+            raise TierDataError(f"node {node.id} is no longer in a slow tier")
+        return self.tiers[tier].get(node.id)
 
     def finish_load(self, node: RadixNode, data: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
         """Install loaded data, or on failure forget the node (its tokens will be recomputed)."""

@@ -56,7 +56,11 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     head = "| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |"
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    body = ["| " + " | ".join(v.rjust(w) for v, w in zip(r, widths)) + " |" for r in cells]
+    # Text columns read better left-aligned, numbers right-aligned.
+    body = [
+        "| " + " | ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))) + " |"
+        for r in cells
+    ]
     return "\n".join([head, rule, *body])
 
 

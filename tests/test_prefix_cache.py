@@ -1,0 +1,165 @@
+"""Radix prefix cache: automatic reuse, STE-ordered eviction, slow tiers, prefetch, recovery."""
+
+from __future__ import annotations
+
+import torch
+from conftest import dense_greedy
+
+from kvbaton import SamplingParams, StepGraph
+from kvbaton.backend import Engine
+from kvbaton.backend.block_pool import BlockPool, PoolShape
+from kvbaton.backend.eviction import LRU, StepsToExecution
+from kvbaton.backend.radix import NodeState, RadixCache
+
+GREEDY_8 = SamplingParams(max_tokens=8, ignore_eos=True)
+BS = 4
+
+
+def tiny_cache(policy, num_blocks=32):
+    pool = BlockPool(PoolShape(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype=torch.float32), num_blocks)
+    return pool, RadixCache(pool, policy)
+
+
+def cache_sequence(pool, cache, tokens):
+    blocks = pool.allocate(len(tokens) // BS)
+    cache.insert(tokens, blocks, len(blocks))
+    pool.decref(blocks)  # the request ends; only the tree keeps them
+
+
+def on_device(cache, tokens):
+    return sum(n.state is NodeState.DEVICE for n in cache.match(tokens, len(tokens), touch=False))
+
+
+def test_every_request_reuses_the_longest_cached_prefix(engine, reference, corpus_tokens):
+    shared = corpus_tokens[:300]
+    engine.complete(shared + corpus_tokens[300:310], GREEDY_8)
+    second = engine.complete(shared + corpus_tokens[400:420], GREEDY_8)
+    assert second.timings.tokens_reused == 300 // engine.block_size * engine.block_size
+    assert second.token_ids == dense_greedy(reference, shared + corpus_tokens[400:420], 8)[0]
+
+
+def test_ste_eviction_keeps_the_soonest_agents_and_shared_preamble():
+    ste: dict[str, float] = {}
+    pool, cache = tiny_cache(StepsToExecution(ste))
+    preamble = list(range(100, 108))  # 2 blocks shared by every agent
+    prompts = {name: preamble + [base + i for i in range(8)] for name, base in [("a", 200), ("b", 300), ("c", 400)]}
+    for name, fixed in prompts.items():
+        cache.register_agent(name, fixed)
+        cache_sequence(pool, cache, fixed + [900 + ord(name)] * 4)  # + one dynamic-suffix block
+    ste.update({"a": 5, "b": 1, "c": 3})
+
+    assert cache.evict(3) == 3  # the three dynamic suffixes go first
+    assert [on_device(cache, prompts[n]) for n in "abc"] == [4, 4, 4]
+    cache.evict(2)  # then the farthest agent's own blocks
+    assert [on_device(cache, prompts[n]) for n in "abc"] == [2, 4, 4]
+    cache.evict(2)
+    assert [on_device(cache, prompts[n]) for n in "abc"] == [2, 4, 2]
+    assert on_device(cache, preamble) == 2  # shared: min(STE) = 1 protects it
+
+
+def test_lru_eviction_drops_the_least_recently_used():
+    pool, cache = tiny_cache(LRU())
+    old, new = list(range(8)), list(range(50, 58))
+    cache_sequence(pool, cache, old)
+    cache_sequence(pool, cache, new)
+    cache.evict(2)
+    assert (on_device(cache, old), on_device(cache, new)) == (0, 2)
+
+
+def test_blocks_in_use_are_never_evicted():
+    pool, cache = tiny_cache(LRU(), num_blocks=4)
+    tokens = list(range(8))
+    blocks = pool.allocate(2)
+    cache.insert(tokens, blocks, 2)  # the request still holds its references
+    assert cache.evict(2) == 0
+
+
+def offload_everything(engine: Engine) -> None:
+    engine.cache.evict(engine.pool.num_blocks)
+
+
+def test_offloaded_prefix_loads_back_exactly(reference, corpus_tokens):
+    engine = Engine(kv_budget="64 blocks", tiers=["disk:256 blocks"], prefetch=False)
+    prompt = corpus_tokens[:200] + corpus_tokens[500:510]
+    first = engine.complete(prompt, GREEDY_8)
+    engine.release(first.handle)
+    offload_everything(engine)
+    assert engine.stats().cache.nodes_per_tier["disk"] > 0
+
+    again = engine.complete(prompt, GREEDY_8)
+
+    assert again.timings.tokens_reused == 208
+    assert again.token_ids == first.token_ids == dense_greedy(reference, prompt, 8)[0]
+    assert engine.stats().cache.hits_blocks["disk"] == 13
+    engine.close()
+
+
+def test_corrupted_or_missing_tier_files_are_recomputed_not_trusted(reference, corpus_tokens):
+    engine = Engine(kv_budget="64 blocks", tiers=["disk:256 blocks"], prefetch=False)
+    prompt = corpus_tokens[:160] + corpus_tokens[600:605]
+    engine.release(engine.complete(prompt, GREEDY_8).handle)
+    offload_everything(engine)
+    files = sorted(engine.cache.tiers[0].dir.glob("*.safetensors"))
+    assert len(files) == 10
+    data = bytearray(files[3].read_bytes())
+    data[-100:] = bytes(100)  # silently garbled K/V bytes, valid header
+    files[3].write_bytes(bytes(data))
+    files[6].unlink()
+
+    again = engine.complete(prompt, GREEDY_8)
+
+    assert again.token_ids == dense_greedy(reference, prompt, 8)[0]
+    assert engine.stats().cache.tier_errors >= 1
+    assert again.timings.tokens_prefilled > len(prompt) - 160
+    engine.close()
+
+
+def test_tier_files_are_removed_when_dropped_and_on_close(corpus_tokens):
+    engine = Engine(kv_budget="64 blocks", tiers=["disk:256 blocks"], prefetch=False)
+    engine.release(engine.materialize(corpus_tokens[:128]))
+    offload_everything(engine)
+    tier_dir = engine.cache.tiers[0].dir
+    assert len(list(tier_dir.iterdir())) == 8
+    engine.flush_cache()
+    assert list(tier_dir.iterdir()) == []
+    engine.release(engine.materialize(corpus_tokens[:64]))
+    offload_everything(engine)
+    engine.close()
+    assert not tier_dir.exists()
+
+
+def test_budgets_hold_in_every_tier(corpus_tokens):
+    engine = Engine(kv_budget="40 blocks", tiers=["host:30 blocks", "disk:20 blocks"], prefetch=False)
+    for i in range(6):
+        engine.release(engine.complete(corpus_tokens[i * 150 : i * 150 + 150], SamplingParams(max_tokens=2)).handle)
+        stats = engine.stats()
+        assert stats.blocks_used <= stats.blocks_total == 40
+        assert stats.cache.nodes_per_tier["host"] <= 30 and stats.cache.nodes_per_tier["disk"] <= 20
+    engine.close()
+
+
+def test_prefetch_brings_the_next_agent_back_before_it_runs(reference, corpus_tokens):
+    """A scripted cycle a -> b -> c -> a whose fixed prompts do not all fit on the device."""
+    engine = Engine(kv_budget="30 blocks", tiers=["disk:200 blocks"], lookahead=1)
+    graph = StepGraph()
+    for src, dst in [("a", "b"), ("b", "c"), ("c", "a")]:
+        graph.add_edge(src, dst)
+    fixed = {name: corpus_tokens[i * 200 : i * 200 + 192] for i, name in enumerate("abc")}  # 12 blocks each
+    for name, tokens in fixed.items():
+        engine.register_agent(name, tokens)
+
+    for step, agent in enumerate(["a", "b", "c", "a", "b"]):
+        engine.hints(graph, running=[agent])
+        engine.prefetcher.idle()
+        if step >= 3:  # second round: everything was offloaded at least once
+            path = engine.cache.fixed_path(agent)
+            assert len(path) == 12 and all(n.state is NodeState.DEVICE for n in path)
+        prompt = fixed[agent] + corpus_tokens[900 + step : 905 + step]
+        result = engine.complete(prompt, SamplingParams(max_tokens=4, ignore_eos=True), agent=agent)
+        assert result.token_ids == dense_greedy(reference, prompt, 4)[0]
+        engine.release(result.handle)
+
+    stats = engine.stats()
+    assert stats.cache.prefetch_hits > 0 and stats.cache.blocks_prefetched > 0
+    assert set(stats.agents) == {"a", "b", "c"}
+    engine.close()
