@@ -22,6 +22,7 @@ import logging
 import operator
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Generator, Iterable, Sequence
 from typing import Any
@@ -49,6 +50,7 @@ from .model_runner import Chunk, ModelRunner
 from .prefetch import Prefetcher
 from .radix import NodeState, RadixCache
 from .sampler import make_generator, sample
+from .scheduler import Scheduler
 from .sequence import KVState
 from .tiers import TierDataError, make_tier
 
@@ -56,7 +58,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KV_BUDGET = "1GiB"
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_PREFILL_CHUNK = 1024
+DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_MAX_BATCH_TOKENS = 1024
 DEFAULT_LOOKAHEAD = 2
 MAX_FORK = 1024
 _RELEASED_MEMORY = 1_000_000  # remembered released ids, so late users get HandleReleased, not NotFound
@@ -77,6 +80,7 @@ class Engine:
         kv_budget: int | str = DEFAULT_KV_BUDGET,
         block_size: int = DEFAULT_BLOCK_SIZE,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         prefix_cache: bool = True,
         eviction: str | EvictionPolicy = "ste",
         tiers: Sequence[str] = (),
@@ -95,6 +99,9 @@ class Engine:
         shape = PoolShape(lm.num_layers, lm.num_kv_heads, lm.head_dim, block_size, lm.dtype)
         self.pool = BlockPool(shape, blocks_for_budget(kv_budget, shape.bytes_per_block), lm.device)
         self.runner = ModelRunner(lm, self.pool)
+        self.scheduler = Scheduler(self.runner, max_batch_tokens=max(max_batch_tokens, prefill_chunk))
+        # The worker threads keep the pool alive: stop them when an unclosed engine is collected.
+        weakref.finalize(self, self.scheduler.close)
         self.tokenizer = lm.tokenizer
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
@@ -124,6 +131,8 @@ class Engine:
             self.cache = RadixCache(self.pool, policy, slow, tier_policy)
             if slow and prefetch:
                 self.prefetcher = Prefetcher(self.cache, self._lock, self._loaded, self._ste)
+                weakref.finalize(self, self.prefetcher.close)
+            weakref.finalize(self, self.cache.close)  # removes disk-tier files
         log.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens",
             lm.name, dtype, device, self.pool.num_blocks, block_size,
@@ -135,8 +144,7 @@ class Engine:
         self._check_context(len(tokens))
         with self._lock:
             state = self._new_state(None, 0, tokens, LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)))
-            self._prefill_registered(state, agent)
-            return self._handle(state)
+        return self._prefill_registered(state, agent)
 
     def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
         tokens = self._tokens(context, what="context")
@@ -145,8 +153,7 @@ class Engine:
             self._check_context(parent.num_tokens + len(tokens))
             step = LineageStep(op=Op.EXTEND, parent=parent.id, token_ids=tuple(tokens))
             state = self._new_state(parent, parent.num_tokens, tokens, step)
-            self._prefill_registered(state, agent)
-            return self._handle(state)
+        return self._prefill_registered(state, agent)
 
     def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_FORK:
@@ -311,10 +318,12 @@ class Engine:
             parent = self._lookup(handle)
             self._check_context(parent.num_tokens + len(tokens))
             state = self._new_state(parent, parent.num_tokens, tokens, LineageStep(op=Op.RESUME, parent=parent.id))
-            try:
+        try:
+            with self._lock:
                 self._reserve(state, state.num_tokens)
-                return self._compute(state).clone()
-            finally:
+            return self._compute(state).clone()
+        finally:
+            with self._lock:
                 self._drop(state)
 
     # -- workflow awareness ---------------------------------------------------------------------
@@ -338,9 +347,8 @@ class Engine:
         with self._lock:
             if self.cache is not None:
                 self.cache.register_agent(name, tokens)
-            if prefill:
-                handle = self.materialize(tokens, agent=name)
-                self.release(handle)
+        if prefill:
+            self.release(self.materialize(tokens, agent=name))
         return AgentInfo(name=name, fixed_tokens=len(tokens))
 
     def hints(
@@ -390,6 +398,7 @@ class Engine:
                 self.cache.close()
             for state in list(self._states.values()):
                 self._drop(state)
+        self.scheduler.close()
 
     def describe(self, handle: HandleLike) -> Handle:
         """The current metadata of a live handle."""
@@ -546,32 +555,40 @@ class Engine:
             state.blocks.extend(self.pool.allocate(missing))
 
     def _compute(self, state: KVState) -> torch.Tensor:
-        """Run the model over the state's uncached tokens (blocks reserved); return last logits."""
+        """Run the model over the state's uncached tokens (blocks reserved); return last logits.
+
+        Called WITHOUT the engine lock: the work goes through the batching scheduler, chunk by
+        chunk, so other requests' steps are packed into the same forwards.
+        """
         logits = state.last_logits
         while state.num_cached < state.num_tokens:
             start = state.num_cached
             end = min(state.num_tokens, start + self.prefill_chunk)
-            logits = self.runner.forward([Chunk(state.blocks, start, state.token_ids[start:end])])[0]
+            logits = self.scheduler.run(Chunk(list(state.blocks), start, state.token_ids[start:end]))
             state.num_cached = end
         state.last_logits = logits
         assert logits is not None
         return logits
 
-    def _prefill_registered(self, state: KVState, agent: str | None = None) -> None:
-        """Prefill a new state (under the lock) and register it; free it again on failure."""
+    def _prefill_registered(self, state: KVState, agent: str | None = None) -> Handle:
+        """Prefill a new state and register it; free it again on failure. Call without the lock."""
         try:
             _check_agent(agent)
-            self._attach_cached(state)
-            self._reserve(state, state.num_tokens)
+            with self._lock:
+                self._attach_cached(state)
+                self._reserve(state, state.num_tokens)
             reused = state.num_cached
             self._compute(state)
-            self._cache_insert(state)
+            with self._lock:
+                self._cache_insert(state)
+                self._tokens_reused += reused
+                self._tokens_prefilled += state.num_tokens - reused
+                self._states[state.id] = state
+                return self._handle(state)
         except BaseException:
-            self.pool.decref(state.blocks)
+            with self._lock:
+                self._drop(state)
             raise
-        self._tokens_reused += reused
-        self._tokens_prefilled += state.num_tokens - reused
-        self._states[state.id] = state
 
     def _trim(self, state: KVState) -> None:
         keep = -(-state.num_tokens // self.block_size)
@@ -674,7 +691,8 @@ class Engine:
                 reused = state.num_cached
                 # The last generated token is never written: it stays pending for the next user.
                 self._reserve(state, prompt_len + params.max_tokens - 1)
-                logits = self._compute(state)
+            logits = self._compute(state)
+            with self._lock:
                 self._cache_insert(state)
                 self._tokens_reused += reused
                 self._tokens_prefilled += prompt_len - reused
@@ -698,8 +716,7 @@ class Engine:
                 elif len(generated) >= params.max_tokens:
                     finish = "length"
                 else:
-                    with self._lock:
-                        logits = self._compute(state)
+                    logits = self._compute(state)
                 if finish is not None:
                     delta += detok.flush()
                 yield StreamChunk(text=delta, token_ids=[token])

@@ -16,9 +16,11 @@ def reference():
 
 
 @pytest.fixture
-def engine() -> Engine:
+def engine():
     # The model is loaded once per process; each engine only adds its own (lazily committed) pool.
-    return Engine(kv_budget="384MiB")
+    engine = Engine(kv_budget="384MiB")
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,105 @@
+"""Continuous batching: one thread runs every forward, packing the work of all waiting requests.
+
+Requests (each in its own thread: an SDK call, a server worker, a stream consumer) hand their next
+piece of work — a prefill chunk or a single decode token — to :meth:`Scheduler.run` and block
+until its logits are back. The scheduler thread takes everything waiting, up to a token budget,
+and runs it as ONE packed forward (``ModelRunner.forward`` accepts many sequences), so decode
+steps of concurrent requests share a single pass over the weights. A long prompt is submitted one
+chunk at a time by its request, so it delays the decodes of others by at most one chunk.
+
+Forwards never run under the engine lock: a request only submits work for blocks it owns (written
+ones are private, thanks to copy-on-write) or pins (read ones), so eviction and prefetch can go on
+meanwhile. All forwards run on this one thread, which is what serializes them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .model_runner import Chunk, ModelRunner
+
+
+@dataclass(eq=False)
+class _Work:
+    chunk: Chunk
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, max_batch_tokens: int = 2048, max_batch_seqs: int = 64) -> None:
+        self._runner = runner
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_seqs = max_batch_seqs
+        self._pending: deque[_Work] = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self.forwards = 0
+        self.sequences = 0
+        self.max_sequences = 0
+        self._thread = threading.Thread(target=self._loop, name="kvbaton-scheduler", daemon=True)
+        self._thread.start()
+
+    def run(self, chunk: Chunk) -> torch.Tensor:
+        """Compute one chunk (batched with whatever else is waiting); its last token's logits."""
+        work = _Work(chunk)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._pending.append(work)
+            self._cv.notify()
+        work.done.wait()
+        if work.error is not None:
+            raise work.error
+        assert work.logits is not None
+        return work.logits
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    @property
+    def mean_sequences(self) -> float:
+        return self.sequences / self.forwards if self.forwards else 0.0
+
+    def _take(self) -> list[_Work]:
+        batch: list[_Work] = []
+        tokens = 0
+        while self._pending and len(batch) < self.max_batch_seqs:
+            size = len(self._pending[0].chunk.token_ids)
+            if batch and tokens + size > self.max_batch_tokens:
+                break
+            batch.append(self._pending.popleft())
+            tokens += size
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending or self._closed)
+                if self._closed:
+                    for work in self._pending:
+                        work.error = RuntimeError("the engine was closed")
+                        work.done.set()
+                    return
+                batch = self._take()
+            try:
+                logits = self._runner.forward([w.chunk for w in batch])
+                for i, work in enumerate(batch):
+                    work.logits = logits[i]
+            except BaseException as exc:  # handed to every waiting request; the loop lives on
+                for work in batch:
+                    work.error = exc
+            finally:
+                self.forwards += 1
+                self.sequences += len(batch)
+                self.max_sequences = max(self.max_sequences, len(batch))
+                for work in batch:
+                    work.done.set()
