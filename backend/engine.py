@@ -700,26 +700,27 @@ class Engine:
             detok = Detokenizer(self.tokenizer, params.stop)
             ttft = 0.0
             finish: str | None = None
-            while finish is None:
-                token = sample(logits, params, rng)
-                if not generated:
-                    ttft = time.perf_counter() - t0
-                    if agent is not None:
-                        with self._lock:
-                            self._ttft.setdefault(agent, []).append(ttft)
-                generated.append(token)
-                state.token_ids.append(token)
-                state.last_logits = None
-                delta = detok.add(token)
-                if detok.stopped or (token in self.loaded.eos_token_ids and not params.ignore_eos):
-                    finish = "stop"
-                elif len(generated) >= params.max_tokens:
-                    finish = "length"
-                else:
-                    logits = self._compute(state)
-                if finish is not None:
-                    delta += detok.flush()
-                yield StreamChunk(text=delta, token_ids=[token])
+            with self.scheduler.decoding():  # lets the scheduler wait for our next step
+                while finish is None:
+                    token = sample(logits, params, rng)
+                    if not generated:
+                        ttft = time.perf_counter() - t0
+                        if agent is not None:
+                            with self._lock:
+                                self._ttft.setdefault(agent, []).append(ttft)
+                    generated.append(token)
+                    state.token_ids.append(token)
+                    state.last_logits = None
+                    delta = detok.add(token)
+                    if detok.stopped or (token in self.loaded.eos_token_ids and not params.ignore_eos):
+                        finish = "stop"
+                    elif len(generated) >= params.max_tokens:
+                        finish = "length"
+                    else:
+                        logits = self._compute(state)
+                    if finish is not None:
+                        delta += detok.flush()
+                    yield StreamChunk(text=delta, token_ids=[token])
             with self._lock:
                 self._trim(state)
                 self._cache_insert(state)

@@ -32,8 +32,12 @@ class _Work:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, max_batch_tokens: int = 2048, max_batch_seqs: int = 64) -> None:
+    def __init__(
+        self, runner: ModelRunner, max_batch_tokens: int = 2048, max_batch_seqs: int = 64, gather_s: float = 0.003
+    ) -> None:
         self._runner = runner
+        self.gather_s = gather_s
+        self._decoding = 0  # requests inside their decode loop
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
         self._pending: deque[_Work] = deque()
@@ -44,6 +48,10 @@ class Scheduler:
         self.max_sequences = 0
         self._thread = threading.Thread(target=self._loop, name="kvbaton-scheduler", daemon=True)
         self._thread.start()
+
+    def decoding(self) -> _Decoding:
+        """Context manager a request holds while it decodes, so its next step is waited for."""
+        return _Decoding(self)
 
     def run(self, chunk: Chunk) -> torch.Tensor:
         """Compute one chunk (batched with whatever else is waiting); its last token's logits."""
@@ -84,6 +92,11 @@ class Scheduler:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending or self._closed)
+                # Decoding requests come back a moment after their last step (sampling, text):
+                # wait briefly for all of them, so a step runs once for everyone, not in pieces.
+                self._cv.wait_for(
+                    lambda: len(self._pending) >= self._decoding or self._closed, timeout=self.gather_s
+                )
                 if self._closed:
                     for work in self._pending:
                         work.error = RuntimeError("the engine was closed")
@@ -103,3 +116,17 @@ class Scheduler:
                 self.max_sequences = max(self.max_sequences, len(batch))
                 for work in batch:
                     work.done.set()
+
+
+class _Decoding:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    def __enter__(self) -> None:
+        with self._scheduler._cv:
+            self._scheduler._decoding += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._scheduler._cv:
+            self._scheduler._decoding -= 1
+            self._scheduler._cv.notify()

@@ -1,0 +1,128 @@
+"""Engine speed against plain transformers on the same model and dtype, side by side in one run.
+
+- prefill tokens/s at 512 and 2048 tokens (kvbaton paged prefill vs ``model(input_ids)``);
+- decode ms/token at 512 and 4K context (kvbaton vs transformers with its own KV cache);
+- decode tokens/s with 1, 8 and 32 concurrent sequences (kvbaton continuous batching; the
+  transformers column decodes the same sequences one after another, as a simple loop would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from kvbaton import SamplingParams
+from kvbaton.bench.common import format_table, machine_info, write_results
+from kvbaton.bench.corpus import document
+
+
+def _hf_decode_ms(model: Any, context: list[int], steps: int) -> float:
+    with torch.inference_mode():
+        out = model(torch.tensor([context]), use_cache=True, logits_to_keep=1)
+        cache = out.cache
+        token = torch.tensor([[int(out.logits[0, -1].argmax())]])
+        out = model(token, cache=cache, use_cache=True)  # warm
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(token, cache=out.cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        return (time.perf_counter() - start) / steps * 1000
+
+
+def _hf_prefill_tps(model: Any, tokens: list[int], repeats: int) -> float:
+    ids = torch.tensor([tokens])
+    with torch.inference_mode():
+        model(ids[:, :64], logits_to_keep=1)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            times.append(time.perf_counter() - start)
+    return len(tokens) / min(times)
+
+
+def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repeats: int = 2,
+        concurrency: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
+    from kvbaton.backend import Engine, load_model
+
+    rows: list[dict[str, Any]] = []
+    for dtype in dtypes:
+        engine = Engine(dtype=dtype, kv_budget="3GiB", prefix_cache=False)
+        hf = load_model(dtype=dtype, attn_implementation="sdpa").model
+        corpus = engine.tokenize(document(4000, seed=5))
+        params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+        bar = tqdm(total=2 + 2 + len(concurrency), desc=f"engine {dtype}", unit="cell")
+        for n in (512, 2048):
+            tokens = corpus[:n]
+            engine.release(engine.materialize(tokens[:64]))
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                handle = engine.materialize(tokens)
+                best = min(best, time.perf_counter() - start)
+                engine.release(handle)
+            rows.append({"dtype": dtype, "metric": f"prefill tok/s @{n}", "kvbaton": n / best,
+                         "transformers": _hf_prefill_tps(hf, tokens, repeats)})
+            bar.update()
+        for n in (512, 4096):
+            handle = engine.materialize(corpus[:n])
+            result = engine.resume(handle, [], params)
+            ms = (result.timings.total_s - result.timings.ttft_s) / steps * 1000
+            engine.release([handle, result.handle])
+            rows.append({"dtype": dtype, "metric": f"decode ms/token @{n}", "kvbaton": ms,
+                         "transformers": _hf_decode_ms(hf, corpus[:n], steps)})
+            bar.update()
+        for k in concurrency:
+            handles = [engine.materialize(corpus[i * 40 : i * 40 + 128]) for i in range(k)]
+            results: list[Any] = [None] * k
+
+            def work(i: int) -> None:
+                results[i] = engine.resume(handles[i], [], params)
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(k)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            elapsed = time.perf_counter() - start
+            engine.release(handles + [r.handle for r in results])
+            hf_ms = _hf_decode_ms(hf, corpus[:128], steps)
+            rows.append({"dtype": dtype, "metric": f"decode tok/s x{k} seqs",
+                         "kvbaton": k * (steps + 1) / elapsed, "transformers": 1000 / hf_ms})
+            bar.update()
+        bar.close()
+        engine.close()
+    for row in rows:
+        higher_better = "tok/s" in row["metric"]
+        row["ratio"] = row["kvbaton"] / row["transformers"] if higher_better else row["transformers"] / row["kvbaton"]
+    single = {r["dtype"]: r["kvbaton"] for r in rows if r["metric"] == "decode tok/s x1 seqs"}
+    for row in rows:
+        if row["metric"].startswith("decode tok/s x"):
+            row["vs_one_sequence"] = row["kvbaton"] / single[row["dtype"]]
+    return {"benchmark": "engine", "machine": machine_info(), "steps": steps, "rows": rows}
+
+
+def table(payload: dict[str, Any]) -> str:
+    columns = ["dtype", "metric", "kvbaton", "transformers", "kvbaton advantage", "vs 1 seq"]
+    rows = [[r["dtype"], r["metric"], r["kvbaton"], r["transformers"], f"{r['ratio']:.2f}x",
+             f"{r['vs_one_sequence']:.2f}x" if "vs_one_sequence" in r else ""] for r in payload["rows"]]
+    return format_table(columns, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvbaton.bench engine", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--steps", type=int, default=24, help="decode steps per measurement")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--results-dir", default="results")
+    args = parser.parse_args(argv)
+    payload = run(tuple(args.dtypes), args.steps, concurrency=tuple(args.concurrency))
+    print(table(payload))
+    print(f"\nwritten: {write_results(args.results_dir, 'engine', payload)}")
