@@ -173,6 +173,22 @@ def _fingerprints(path: Path, config: dict[str, Any], dtype: torch.dtype) -> tup
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``"auto"``: bfloat16 where the hardware computes it natively, float32 otherwise.
+
+    On CPUs without AMX or AVX512-BF16, bf16 matmuls are emulated and slower than fp32.
+    """
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    return "bfloat16" if flags & {"amx_bf16", "avx512_bf16"} else "float32"
 _loaded: dict[tuple[Path, str, str, str], LoadedModel] = {}
 _load_lock = threading.Lock()
 
@@ -185,8 +201,9 @@ def load_model(
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
     """Load (once per process) a model and its tokenizer for the engine."""
+    dtype = resolve_dtype(dtype, device)
     if dtype not in _DTYPES:
-        raise InvalidRequest(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        raise InvalidRequest(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     name, path = resolve_model(model)
     key = (path, dtype, device, attn_implementation)
     with _load_lock:

@@ -84,3 +84,14 @@ def test_detokenizer_holds_back_partial_stop_strings(engine):
     for token in engine.tokenize("OP more"):
         out += detok.add(token)
     assert detok.stopped and out + detok.flush() == "abc "
+
+
+def test_auto_dtype_picks_native_bf16_only():
+    from pathlib import Path
+
+    from kvbaton.backend.loader import resolve_dtype
+
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    expected = "bfloat16" if flags & {"amx_bf16", "avx512_bf16"} else "float32"
+    assert resolve_dtype("auto", "cpu") == expected
+    assert resolve_dtype("float32", "cpu") == "float32"

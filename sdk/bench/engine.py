@@ -51,6 +51,7 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
     from kvbaton.backend import Engine, load_model
 
     rows: list[dict[str, Any]] = []
+    agreement: dict[str, float] = {}
     for dtype in dtypes:
         engine = Engine(dtype=dtype, kv_budget="3GiB", prefix_cache=False)
         hf = load_model(dtype=dtype, attn_implementation="sdpa").model
@@ -96,6 +97,7 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
             rows.append({"dtype": dtype, "metric": f"decode tok/s x{k} seqs",
                          "kvbaton": k * (steps + 1) / elapsed, "transformers": 1000 / hf_ms})
             bar.update()
+        agreement[dtype] = _greedy_agreement(engine, hf, corpus, steps)
         bar.close()
         engine.close()
     for row in rows:
@@ -105,7 +107,24 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
     for row in rows:
         if row["metric"].startswith("decode tok/s x"):
             row["vs_one_sequence"] = row["kvbaton"] / single[row["dtype"]]
-    return {"benchmark": "engine", "machine": machine_info(), "steps": steps, "rows": rows}
+    return {"benchmark": "engine", "machine": machine_info(), "steps": steps, "rows": rows,
+            "greedy_agreement_vs_transformers": agreement}
+
+
+def _greedy_agreement(engine: Any, hf: Any, corpus: list[int], steps: int, prompts: int = 3) -> float:
+    """Fraction of greedy tokens equal to plain transformers in the same dtype (up to the first split)."""
+    agree = total = 0
+    for i in range(prompts):
+        prompt = corpus[300 * i : 300 * i + 200]
+        ours = engine.complete(prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
+        engine.release(ours.handle)
+        with torch.inference_mode():
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        reference = theirs[0, len(prompt):].tolist()
+        same = next((k for k, (a, b) in enumerate(zip(ours.token_ids, reference)) if a != b), steps)
+        agree += same
+        total += steps
+    return agree / total
 
 
 def table(payload: dict[str, Any]) -> str:
@@ -125,4 +144,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     payload = run(tuple(args.dtypes), args.steps, concurrency=tuple(args.concurrency))
     print(table(payload))
+    for dtype, value in payload["greedy_agreement_vs_transformers"].items():
+        print(f"greedy agreement with transformers ({dtype}): {value:.1%} of tokens before the first difference")
     print(f"\nwritten: {write_results(args.results_dir, 'engine', payload)}")
