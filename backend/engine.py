@@ -409,7 +409,10 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequest(f"text must be a string, got {type(text).__name__}")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except (TypeError, UnicodeError) as exc:  # e.g. lone surrogates, which no tokenizer can encode
+            raise InvalidRequest(f"text cannot be tokenized: {exc}") from None
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(self._tokens(list(token_ids), "token_ids", allow_empty=True)))

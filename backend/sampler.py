@@ -23,7 +23,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick one token from ``logits`` (``[vocab]``, fp32)."""
     if params.greedy:
         return int(torch.argmax(logits))
-    scores = logits / params.temperature
+    # In float64 (a temperature below float32's range would become 0), shifted so the best score is 0:
+    # a tiny temperature then gives -inf to the others instead of inf - inf = nan.
+    scores = (logits.double() - logits.max(dim=-1, keepdim=True).values) / params.temperature
     if params.top_k and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -1,6 +1,6 @@
 """kvbaton: pass KV-cache handles instead of text between LLM agents."""
 
-from .client import Client, connect
+from .client import AsyncClient, Client, aconnect, connect
 from .errors import (
     ContextTooLong,
     HandleNotFound,
@@ -10,10 +10,12 @@ from .errors import (
     KvbatonError,
     ModelNotFound,
     PoolExhausted,
+    ServerUnavailable,
+    Unauthorized,
 )
 from .handle import Handle, LineageStep, Op, Placement, Positions
 from .stepgraph import StepGraph, StepGraphSpec
-from .stream import TokenStream
+from .stream import AsyncTokenStream, TokenStream
 from .types import AgentInfo, AgentStats, CacheStats, ChatMessage, Result, SamplingParams, Stats, StreamChunk, Timings
 
 __version__ = "0.1.0"
@@ -24,6 +26,11 @@ __all__ = [
     "CacheStats",
     "StepGraph",
     "StepGraphSpec",
+    "AsyncClient",
+    "AsyncTokenStream",
+    "ServerUnavailable",
+    "Unauthorized",
+    "aconnect",
     "ChatMessage",
     "Client",
     "ContextTooLong",

@@ -1,26 +1,46 @@
 """The one client interface of kvbaton, and ``connect()``.
 
-Every client (embedded today; HTTP with the server) implements :class:`Client`, so code written
-against one runs against the other by changing only the ``connect`` target.
+Every client implements :class:`Client` (embedded: :class:`~kvbaton.embedded.EmbeddedClient`, HTTP:
+:class:`~kvbaton.http.HttpClient`), so code written against one runs against the other by changing
+only the ``connect`` target. :class:`AsyncClient` is the same interface with coroutines
+(:class:`~kvbaton.embedded.AsyncEmbeddedClient`, :class:`~kvbaton.http.AsyncHttpClient`), opened by
+``await aconnect(...)``.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+import asyncio
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from pydantic import ValidationError
 
 from .errors import InvalidRequest
 from .handle import Handle
-from .stream import TokenStream
-from .types import ChatMessage, Result, SamplingParams, Stats
+from .stream import AsyncTokenStream, TokenStream
+from .stepgraph import StepGraph
+from .types import AgentInfo, ChatMessage, Result, SamplingParams, Stats
 
 HandleLike = Handle | str
 Context = str | Sequence[int]
 Messages = Sequence[ChatMessage | dict[str, Any]]
+
+
+def steps_map(
+    steps: Mapping[str, float] | StepGraph, running: Iterable[str], finished: Iterable[str]
+) -> dict[str, float]:
+    """Steps-to-execution as a plain mapping: a step graph is evaluated here, on the client side."""
+    if isinstance(steps, StepGraph):
+        return dict(steps.steps_to_execution(running=tuple(running), finished=tuple(finished)))
+    if not isinstance(steps, Mapping):
+        raise InvalidRequest("hints need a {agent: steps} mapping or a StepGraph")
+    out = {str(agent): value for agent, value in steps.items()}
+    for agent in running:
+        out[agent] = 0
+    return out
 
 
 def sampling_params(sampling: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
@@ -38,7 +58,7 @@ class Client(abc.ABC):
     ``top_k``, ``seed``, ``stop``, ``ignore_eos``)."""
 
     @abc.abstractmethod
-    def materialize(self, context: Context) -> Handle:
+    def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
         """Prefill ``context`` (text or token ids) and return a handle to its KV."""
 
     @abc.abstractmethod
@@ -46,28 +66,42 @@ class Client(abc.ABC):
         """``k`` new handles sharing every KV block of ``handle`` (zero copy)."""
 
     @abc.abstractmethod
-    def extend(self, handle: HandleLike, context: Context) -> Handle:
+    def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
         """A new handle: ``handle``'s context followed by ``context``, prefilled, nothing generated."""
 
     @abc.abstractmethod
     def resume(
-        self, handle: HandleLike, suffix: Context = "", *, sampling: SamplingParams | None = None, **options: Any
+        self,
+        handle: HandleLike,
+        suffix: Context = "",
+        *,
+        sampling: SamplingParams | None = None,
+        agent: str | None = None,
+        **options: Any,
     ) -> Result:
         """Prefill ``suffix`` behind ``handle`` and generate."""
 
     @abc.abstractmethod
     def resume_stream(
-        self, handle: HandleLike, suffix: Context = "", *, sampling: SamplingParams | None = None, **options: Any
+        self,
+        handle: HandleLike,
+        suffix: Context = "",
+        *,
+        sampling: SamplingParams | None = None,
+        agent: str | None = None,
+        **options: Any,
     ) -> TokenStream:
         """Like :meth:`resume`, yielding text as it is generated."""
 
     @abc.abstractmethod
-    def complete(self, prompt: Context, *, sampling: SamplingParams | None = None, **options: Any) -> Result:
+    def complete(
+        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
+    ) -> Result:
         """Plain completion of text or token ids, without a handle or chat template (text replay)."""
 
     @abc.abstractmethod
     def complete_stream(
-        self, prompt: Context, *, sampling: SamplingParams | None = None, **options: Any
+        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
     ) -> TokenStream:
         """Like :meth:`complete`, yielding text as it is generated."""
 
@@ -79,6 +113,7 @@ class Client(abc.ABC):
         handle: HandleLike | None = None,
         tools: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None,
+        agent: str | None = None,
         **options: Any,
     ) -> Result:
         """Chat generation; the KV of ``handle`` is reused for the longest common token prefix."""
@@ -91,6 +126,7 @@ class Client(abc.ABC):
         handle: HandleLike | None = None,
         tools: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None,
+        agent: str | None = None,
         **options: Any,
     ) -> TokenStream:
         """Like :meth:`generate`, yielding text as it is generated."""
@@ -122,6 +158,18 @@ class Client(abc.ABC):
         """``messages`` rendered by the model's chat template, as token ids. Without the generation
         prompt they are a prefix of any longer conversation: materialize shared context that way."""
 
+    @abc.abstractmethod
+    def register_agent(self, name: str, fixed_prompt: Context | Messages, *, prefill: bool = False) -> AgentInfo:
+        """Declare an agent's fixed prompt (text, token ids or chat messages) for workflow-aware
+        caching: its cached KV takes the agent's steps-to-execution. ``prefill`` computes it now."""
+
+    @abc.abstractmethod
+    def hints(
+        self, steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
+    ) -> dict[str, float]:
+        """Tell the backend how many steps until each agent runs (a mapping, or a step graph with
+        the agents running and finished now); agents due soon are prefetched. Returns the STE map."""
+
     def close(self) -> None:
         """Free the client's resources. The client is unusable afterwards."""
 
@@ -134,17 +182,181 @@ class Client(abc.ABC):
         self.close()
 
 
-def connect(target: str | None = None, *, model: str | None = None, **options: Any) -> Client:
+class AsyncClient(abc.ABC):
+    """:class:`Client` with coroutines: the same methods, awaited. Streaming methods return an
+    :class:`~kvbaton.stream.AsyncTokenStream` (``async for chunk in stream``; ``stream.result``)."""
+
+    @abc.abstractmethod
+    async def materialize(self, context: Context, *, agent: str | None = None) -> Handle: ...
+
+    @abc.abstractmethod
+    async def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]: ...
+
+    @abc.abstractmethod
+    async def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle: ...
+
+    @abc.abstractmethod
+    async def resume(
+        self,
+        handle: HandleLike,
+        suffix: Context = "",
+        *,
+        sampling: SamplingParams | None = None,
+        agent: str | None = None,
+        **options: Any,
+    ) -> Result: ...
+
+    @abc.abstractmethod
+    async def resume_stream(
+        self,
+        handle: HandleLike,
+        suffix: Context = "",
+        *,
+        sampling: SamplingParams | None = None,
+        agent: str | None = None,
+        **options: Any,
+    ) -> AsyncTokenStream: ...
+
+    @abc.abstractmethod
+    async def complete(
+        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
+    ) -> Result: ...
+
+    @abc.abstractmethod
+    async def complete_stream(
+        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
+    ) -> AsyncTokenStream: ...
+
+    @abc.abstractmethod
+    async def generate(
+        self,
+        messages: Messages,
+        *,
+        handle: HandleLike | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | None = None,
+        agent: str | None = None,
+        **options: Any,
+    ) -> Result: ...
+
+    @abc.abstractmethod
+    async def generate_stream(
+        self,
+        messages: Messages,
+        *,
+        handle: HandleLike | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | None = None,
+        agent: str | None = None,
+        **options: Any,
+    ) -> AsyncTokenStream: ...
+
+    @abc.abstractmethod
+    async def release(self, handles: HandleLike | Iterable[HandleLike]) -> None: ...
+
+    @abc.abstractmethod
+    async def stats(self) -> Stats: ...
+
+    @abc.abstractmethod
+    async def tokenize(self, text: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    async def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    @abc.abstractmethod
+    async def chat_tokens(
+        self,
+        messages: Messages,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]: ...
+
+    @abc.abstractmethod
+    async def register_agent(
+        self, name: str, fixed_prompt: Context | Messages, *, prefill: bool = False
+    ) -> AgentInfo: ...
+
+    @abc.abstractmethod
+    async def hints(
+        self, steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
+    ) -> dict[str, float]: ...
+
+    async def close(self) -> None:
+        """Free the client's resources. The client is unusable afterwards."""
+
+    aclose = close
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+def _is_url(target: str) -> bool:
+    return target.startswith(("http://", "https://"))
+
+
+def _no_token(token: str | None) -> None:
+    if token is not None:
+        raise InvalidRequest("token applies to a server URL target, not to the embedded engine")
+
+
+def _http_options(target: str, token: str | None, model: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(options) - {"timeout", "connect_timeout", "headers"}
+    if model is not None or unknown:
+        names = sorted(unknown | ({"model"} if model is not None else set()))
+        raise InvalidRequest(
+            f"options {names} configure an embedded engine; the server at {target} chose its model and engine options"
+        )
+    return {"token": token if token is not None else os.environ.get("KVBATON_TOKEN") or None, **options}
+
+
+def connect(
+    target: str | None = None, *, model: str | None = None, token: str | None = None, **options: Any
+) -> Client:
     """Open a kvbaton client.
 
     ``connect()`` starts an embedded engine with the default model in this process;
     ``connect(model="/path/to/hf-checkpoint")`` another local model. Engine options
     (``dtype``, ``device``, ``kv_budget``, ``block_size``, ``prefill_chunk``) pass through.
+
+    ``connect("http://host:8470", token=...)`` talks to a ``kvbaton serve`` server instead
+    (token defaults to ``$KVBATON_TOKEN``; options ``timeout``, ``connect_timeout``, ``headers``).
     """
     if target is None or target == "embedded":
         from .embedded import EmbeddedClient
 
+        _no_token(token)
         return EmbeddedClient(model=model, **options)
+    if _is_url(target):
+        from .http import HttpClient
+
+        return HttpClient(target, **_http_options(target, token, model, options))
     raise InvalidRequest(
-        f"unsupported connect target {target!r}: use connect() for the embedded engine"
+        f"unsupported connect target {target!r}: use connect() for the embedded engine or an http(s):// URL"
+    )
+
+
+async def aconnect(
+    target: str | None = None, *, model: str | None = None, token: str | None = None, **options: Any
+) -> AsyncClient:
+    """The asynchronous :func:`connect`: ``client = await kvbaton.aconnect("http://host:8470")``.
+
+    The embedded engine is built in a worker thread (loading the model blocks)."""
+    if target is None or target == "embedded":
+        from .embedded import AsyncEmbeddedClient, EmbeddedClient
+
+        _no_token(token)
+        sync = await asyncio.to_thread(EmbeddedClient, model=model, **options)
+        return AsyncEmbeddedClient(client=sync)
+    if _is_url(target):
+        from .http import AsyncHttpClient
+
+        return AsyncHttpClient(target, **_http_options(target, token, model, options))
+    raise InvalidRequest(
+        f"unsupported connect target {target!r}: use aconnect() for the embedded engine or an http(s):// URL"
     )

@@ -1,8 +1,8 @@
 """Typed exceptions of the kvbaton SDK.
 
-Every error carries a stable machine-readable ``code``; the server issue maps these codes to one
-JSON error schema, and the HTTP client maps them back, so embedded and remote users catch the same
-types.
+Every error carries a stable machine-readable ``code``; the server maps these codes to one JSON
+error schema (``{"error": {"code": ..., "message": ...}}``), and the HTTP client maps them back, so
+embedded and remote users catch the same types.
 """
 
 from __future__ import annotations
@@ -63,6 +63,30 @@ class ModelNotFound(KvbatonError):
     code = "model_not_found"
 
 
+class PayloadTooLarge(InvalidRequest):
+    """The request body exceeds the server's size limit."""
+
+    code = "payload_too_large"
+
+
+class Unauthorized(KvbatonError):
+    """The server requires a bearer token and the request had none, or a wrong one."""
+
+    code = "unauthorized"
+
+
+class ServerUnavailable(KvbatonError):
+    """The server could not be reached, or the connection broke or timed out mid-request."""
+
+    code = "server_unavailable"
+
+
+class ServerError(KvbatonError):
+    """The server failed on its own (a bug, not the request's fault)."""
+
+    code = "internal_error"
+
+
 ERRORS_BY_CODE: dict[str, type[KvbatonError]] = {
     cls.code: cls
     for cls in (
@@ -74,5 +98,19 @@ ERRORS_BY_CODE: dict[str, type[KvbatonError]] = {
         IncompatibleHandle,
         PoolExhausted,
         ModelNotFound,
+        PayloadTooLarge,
+        Unauthorized,
+        ServerUnavailable,
+        ServerError,
     )
 }
+
+
+def error_from_code(code: str, message: str) -> KvbatonError:
+    """The typed exception for an error ``code`` (as the server reports it); unknown codes give a
+    plain :class:`KvbatonError` that still carries the code."""
+    cls = ERRORS_BY_CODE.get(code)
+    err = (cls or KvbatonError)(message)
+    if cls is None:
+        err.code = code
+    return err

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
 from types import TracebackType
+from typing import Self
 
 from .types import Result, StreamChunk
 
@@ -46,3 +47,46 @@ class TokenStream(Iterator[StreamChunk]):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class AsyncTokenStream(AsyncIterator[StreamChunk]):
+    """The asynchronous :class:`TokenStream`: ``async for chunk in stream``, then ``stream.result``.
+
+    Built on an async generator that yields :class:`StreamChunk`s and, last, the :class:`Result`.
+    ``await stream.aclose()`` (or leaving ``async with``) cancels the generation early.
+    """
+
+    def __init__(self, items: AsyncGenerator[StreamChunk | Result, None]) -> None:
+        self._items = items
+        self.result: Result | None = None
+
+    def __aiter__(self) -> AsyncTokenStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self.result is not None:
+            raise StopAsyncIteration
+        item = await self._items.__anext__()
+        if isinstance(item, Result):
+            self.result = item
+            await self._items.aclose()
+            raise StopAsyncIteration
+        return item
+
+    async def until_done(self) -> Result:
+        """Consume the rest of the stream and return the final result."""
+        async for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+    async def aclose(self) -> None:
+        await self._items.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

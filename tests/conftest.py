@@ -43,3 +43,7 @@ def dense_greedy(model, tokens: list[int], n: int) -> tuple[list[int], torch.Ten
             out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
             cache, logits = out.cache, out.logits[0, -1].float()
     return generated, first_logits
+
+
+# -- kvbaton serve subprocesses for the server tests (tests/server_fixtures.py) ---------------------
+from server_fixtures import secure_server, server, server_processes  # noqa: E402,F401

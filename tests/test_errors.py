@@ -137,3 +137,8 @@ def test_invalid_engine_options():
         Engine(kv_budget="lots")
     with pytest.raises(InvalidRequest):
         Engine(dtype="float8")
+
+
+def test_text_that_cannot_be_encoded_is_invalid_request(engine):
+    with pytest.raises(InvalidRequest):
+        engine.materialize("broken \ud800 surrogate")

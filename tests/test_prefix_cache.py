@@ -163,3 +163,19 @@ def test_prefetch_brings_the_next_agent_back_before_it_runs(reference, corpus_to
     assert stats.cache.prefetch_hits > 0 and stats.cache.blocks_prefetched > 0
     assert set(stats.agents) == {"a", "b", "c"}
     engine.close()
+
+
+def test_client_tags_agents_and_sends_hints():
+    from kvbaton import connect
+
+    with connect(kv_budget="64MiB") as client:
+        client.register_agent("writer", [{"role": "system", "content": "You write haiku."}])
+        graph = StepGraph()
+        graph.add_edge("writer", "critic")
+        graph.add_edge("critic", "writer")
+        assert client.hints(graph, running=["critic"]) == {"writer": 1, "critic": 0}
+        client.generate([{"role": "system", "content": "You write haiku."}, {"role": "user", "content": "Snow"}],
+                        agent="writer", max_tokens=3)
+        stats = client.stats()
+        assert stats.agents["writer"].requests == 1
+        assert stats.cache.steps_to_execution == {"writer": 1.0, "critic": 0.0}

@@ -8,6 +8,7 @@ import sys
 
 BENCHMARKS = {
     "ttft": ("kvbaton.bench.ttft", "TTFT: text replay vs resume from a handle vs the question-only floor"),
+    "adapter_overhead": ("kvbaton.bench.adapter_overhead", "LangGraph adapter overhead per LLM call (no model time)"),
     "engine": ("kvbaton.bench.engine", "engine speed vs plain transformers: prefill, decode, batched decode"),
     "workflow": ("kvbaton.bench.workflow", "10-agent cyclic workflow: no reuse / LRU / LRU+tier / STE+prefetch"),
 }

@@ -1,0 +1,140 @@
+"""Mode 2 of the LangGraph adapter: apps that build ``ChatOpenAI`` (or any OpenAI-SDK model) unchanged.
+
+Inside a run of a graph wrapped with ``wrap(app, base_url=...)``:
+
+- each chat-model call is tagged with its agent: the wrapper's callback sets :data:`CURRENT_CALL`
+  on ``on_chat_model_start`` (same context as the call), and a patched ``httpx``/``httpx2`` send adds
+  ``X-Kvbaton-Agent: <node>`` to requests that go to ``base_url``;
+- requests to ``https://api.openai.com/v1`` are redirected to ``base_url`` (``redirect_openai``), so an
+  app that never set a base URL reaches the kvbaton server too; with ``token`` their
+  ``Authorization`` becomes the kvbaton token;
+- the handle id the server returns (``X-Kvbaton-Handle``) is put on the AIMessage as
+  ``additional_kwargs["kvbaton"] = {"handle": {"id": ...}, "agent": ...}``.
+
+The patch is process-wide but inert outside wrapped runs with a ``base_url`` (it checks a ContextVar
+first), and other hosts are never touched. The server reuses each agent's latest handle by itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ._langchain_model import ACTIVE_RUN
+
+OPENAI_BASE = "https://api.openai.com/v1"
+
+
+@dataclass
+class CallTag:
+    agent: str | None
+    handle: str | None = None
+
+
+CURRENT_CALL: ContextVar[CallTag | None] = ContextVar("kvbaton_openai_call", default=None)
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+def _target(request: Any) -> tuple[Any, CallTag | None] | None:
+    run = ACTIVE_RUN.get()
+    wrapper = getattr(run, "wrapper", None)
+    base = getattr(wrapper, "base_url", None)
+    if not base:
+        return None
+    url = str(request.url)
+    if getattr(wrapper, "redirect_openai", False) and url.startswith(OPENAI_BASE) and not base.startswith(OPENAI_BASE):
+        request.url = type(request.url)(base + url[len(OPENAI_BASE):])
+        request.headers["host"] = request.url.netloc.decode("ascii")
+        if wrapper.token:
+            request.headers["authorization"] = f"Bearer {wrapper.token}"
+        url = str(request.url)
+    if not url.startswith(base):
+        return None
+    tag = CURRENT_CALL.get()
+    if tag is not None and tag.agent:
+        request.headers["x-kvbaton-agent"] = tag.agent
+    return wrapper, tag
+
+
+def _after(found: tuple[Any, CallTag | None] | None, response: Any) -> None:
+    if found is not None and found[1] is not None:
+        handle = response.headers.get("x-kvbaton-handle")
+        if handle:
+            found[1].handle = handle
+
+
+def _patch(module: Any) -> None:
+    sync_send = module.Client.send
+    async_send = module.AsyncClient.send
+
+    def send(self: Any, request: Any, **kwargs: Any) -> Any:
+        found = _target(request)
+        response = sync_send(self, request, **kwargs)
+        _after(found, response)
+        return response
+
+    async def asend(self: Any, request: Any, **kwargs: Any) -> Any:
+        found = _target(request)
+        response = await async_send(self, request, **kwargs)
+        _after(found, response)
+        return response
+
+    module.Client.send = send
+    module.AsyncClient.send = asend
+
+
+def install() -> None:
+    """Patch ``Client.send`` / ``AsyncClient.send`` of ``httpx`` and, where installed, ``httpx2``
+    (which openai>=3 uses) once (see the module docstring)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        _patch(httpx)
+        try:
+            import httpx2
+        except ImportError:
+            pass
+        else:
+            _patch(httpx2)
+        _installed = True
+
+
+def normalize_base_url(base_url: str) -> str:
+    """``http://host:8470`` or ``http://host:8470/v1`` -> ``http://host:8470/v1``."""
+    base = base_url.rstrip("/")
+    return base if base.endswith("/v1") else base + "/v1"
+
+
+class ServerControl:
+    """The wrapper's control calls (hints, agent registration) to a ``kvbaton serve`` over HTTP:
+    ``POST /v1/kv/hints`` (``inf`` is sent as a large finite number) and ``POST /v1/kv/agents``."""
+
+    FAR = 1e9
+
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 10.0) -> None:
+        root = normalize_base_url(base_url)[: -len("/v1")]
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=root, headers=headers, timeout=timeout)
+
+    def hints(self, steps: Any, *, running: Any = (), finished: Any = ()) -> dict[str, float]:
+        running, finished = tuple(running), tuple(finished)
+        ste = steps.steps_to_execution(running, finished) if hasattr(steps, "steps_to_execution") else dict(steps)
+        body = {"steps": {a: (v if v != float("inf") else self.FAR) for a, v in ste.items()}, "running": list(running)}
+        response = self.http.post("/v1/kv/hints", json=body)
+        response.raise_for_status()
+        return dict(response.json().get("steps", {}))
+
+    def register_agent(self, name: str, fixed_prompt: Any, *, prefill: bool = False) -> Any:
+        response = self.http.post("/v1/kv/agents", json={"name": name, "fixed_prompt": fixed_prompt, "prefill": prefill})
+        response.raise_for_status()
+        return response.json()
+
+    def close(self) -> None:
+        self.http.close()

@@ -1,0 +1,456 @@
+"""AutoGen (autogen-agentchat 0.7) adapter: kvbaton under existing agents and teams.
+
+``instrument(agent_or_team)`` swaps every ``AssistantAgent``'s model client for a
+:class:`KvbatonChatCompletionClient` tagged with the agent's name, registers the agent's system
+message as its fixed prompt, extracts the team's Agent Step Graph (GraphFlow, RoundRobinGroupChat,
+SelectorGroupChat, Swarm), sends steps-to-execution hints before every turn, and stamps each reply's
+``metadata["kvbaton_handle"]``. ``@agent`` does the same for an AssistantAgent factory.
+
+See docs/autogen.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from autogen_agentchat.base import ChatAgent, Response
+from autogen_agentchat.messages import BaseChatMessage
+from kvbaton.client import AsyncClient, Client
+from kvbaton.stepgraph import StepGraph
+
+from .autogen_client import (
+    METADATA_KEY,
+    HandleTable,
+    KvbatonChatCompletionClient,
+    KvbatonChatCompletionClientConfig,
+    handle_table,
+    message_text,
+    parse_tool_calls,
+    register_connection,
+    render_messages,
+    shared_connection,
+    target_of,
+    tool_schema,
+)
+
+logger = logging.getLogger("kvbaton.adapters.autogen")
+
+T = TypeVar("T")
+
+SELECTOR_AGENT_SUFFIX = ".selector"
+
+
+# -- step graphs ------------------------------------------------------------------------------------
+
+
+def _participants(team: Any) -> list[ChatAgent]:
+    return list(getattr(team, "_participants", None) or getattr(team, "_input_participants", None) or [])
+
+
+def graph_from_digraph(digraph: Any) -> StepGraph:
+    """A GraphFlow ``DiGraph`` as a step graph.
+
+    Edges into a node are grouped by ``activation_group``: an ``"all"`` group is one join trigger
+    (max), each edge of an ``"any"`` group is its own trigger (min). Conditional edges (a string or
+    callable condition) out of one source become a router over their targets (one of them runs),
+    unless they are part of a multi-source ``"all"`` join. Cycles are kept as they are."""
+    graph = StepGraph()
+    for name in digraph.nodes:
+        graph.add_agent(name)
+    for name in sorted(digraph.get_start_nodes()):
+        graph.add_entry(name)
+    groups: dict[tuple[str, str], tuple[str, list[tuple[str, Any]]]] = {}
+    for src, node in digraph.nodes.items():
+        for edge in node.edges:
+            key = (edge.target, edge.activation_group or edge.target)
+            condition, edges = groups.setdefault(key, (edge.activation_condition, []))
+            edges.append((src, edge))
+    routed: dict[str, list[str]] = {}
+    for (target, _group), (condition, edges) in groups.items():
+        if condition == "all" and len(edges) > 1:
+            graph.add_join([src for src, _ in edges], target)
+            continue
+        for src, edge in edges:
+            if edge.condition is not None or edge.condition_function is not None:
+                routed.setdefault(src, []).append(target)
+            else:
+                graph.add_edge(src, target)
+    for src, targets in routed.items():
+        graph.add_router(src, targets)
+    return graph
+
+
+def graph_round_robin(names: Sequence[str]) -> StepGraph:
+    """RoundRobinGroupChat: a cycle in participant order, starting at the first participant."""
+    graph = StepGraph()
+    for name in names:
+        graph.add_agent(name)
+    if names:
+        graph.add_entry(names[0])
+        for i, name in enumerate(names):
+            graph.add_edge(name, names[(i + 1) % len(names)])
+    return graph
+
+
+def graph_selector(names: Sequence[str]) -> StepGraph:
+    """SelectorGroupChat: a complete graph whose hops are chosen at run time (wildcard routers);
+    any participant may speak first."""
+    graph = StepGraph()
+    for name in names:
+        graph.add_entry(name)
+    for name in names:
+        graph.add_router(name, None)
+    return graph
+
+
+def _handoff_targets(agent: Any) -> list[str] | None:
+    handoffs = getattr(agent, "_handoffs", None)
+    if handoffs is None:
+        handoffs = getattr(agent, "kvbaton_handoffs", None)
+    if handoffs is None:
+        return None
+    items = handoffs.values() if isinstance(handoffs, dict) else handoffs
+    return [h if isinstance(h, str) else h.target for h in items]
+
+
+def graph_swarm(participants: Sequence[Any]) -> StepGraph:
+    """Swarm: the first participant starts; each agent hands off to one of its handoff targets or keeps
+    the turn (a router over its targets and itself). An agent whose handoffs are unknown (not an
+    AssistantAgent and no ``kvbaton_handoffs`` attribute) gets a wildcard router."""
+    graph = StepGraph()
+    names = [p.name for p in participants]
+    for name in names:
+        graph.add_agent(name)
+    if names:
+        graph.add_entry(names[0])
+    for agent in participants:
+        targets = _handoff_targets(agent)
+        if targets is None:
+            graph.add_router(agent.name, None)
+        else:
+            graph.add_router(agent.name, [*[t for t in targets if t in names], agent.name])
+    return graph
+
+
+def extract_step_graph(team: Any) -> StepGraph:
+    """The step graph of a team (or a one-agent graph for a single agent)."""
+    from autogen_agentchat.teams import GraphFlow, RoundRobinGroupChat, SelectorGroupChat, Swarm
+
+    participants = _participants(team)
+    names = [p.name for p in participants]
+    if isinstance(team, GraphFlow):
+        return graph_from_digraph(team._graph)
+    if isinstance(team, RoundRobinGroupChat):
+        return graph_round_robin(names)
+    if isinstance(team, SelectorGroupChat):
+        return graph_selector(names)
+    if isinstance(team, Swarm):
+        return graph_swarm(participants)
+    if participants:  # another group chat: assume anyone may follow anyone
+        return graph_selector(names)
+    graph = StepGraph()
+    graph.add_entry(team.name)
+    graph.add_router(team.name, [team.name])
+    return graph
+
+
+# -- run time ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class HintEvent:
+    """One hints call: who was running, who had finished, and the STE sent."""
+
+    running: tuple[str, ...]
+    finished: tuple[str, ...]
+    steps: dict[str, float]
+
+
+@dataclass
+class _Completion:
+    """A finished turn, until the turns it enables have started.
+
+    Its plain successors (edges, joins) each consume it by starting; a router consumes it as soon as
+    one of its targets starts (one of them runs). Once consumed it no longer counts as finished, so a
+    later round (a loop) waits for it again instead of seeing a stale completion."""
+
+    pending: set[str]
+    router: bool
+    targets: tuple[str, ...] | None
+
+    def consumed_by(self, agent: str) -> bool:
+        self.pending.discard(agent)
+        if self.router and (self.targets is None or agent in self.targets):
+            self.router = False
+        return not self.pending and not self.router
+
+
+@dataclass
+class Instrumentation:
+    """What :func:`instrument` attached to an agent or team (``obj.kvbaton``)."""
+
+    step_graph: StepGraph
+    client: Client | AsyncClient
+    model_clients: dict[str, KvbatonChatCompletionClient] = field(default_factory=dict)
+    hint_log: list[HintEvent] = field(default_factory=list)
+    speakers: list[str] = field(default_factory=list)
+    send_hints: bool = True
+    running: dict[str, int] = field(default_factory=dict)
+    finished: dict[str, _Completion] = field(default_factory=dict)
+
+    @property
+    def handle_table(self) -> HandleTable:
+        return handle_table(self.client)
+
+    async def turn_started(self, agent: str) -> None:
+        """An agent starts a turn: it is running, the completions it consumes stop counting as
+        finished, and hints go out."""
+        self.speakers.append(agent)
+        self.running[agent] = self.running.get(agent, 0) + 1
+        if agent not in self.step_graph.agents:
+            return
+        self.finished.pop(agent, None)
+        for name, completion in list(self.finished.items()):
+            if completion.consumed_by(agent):
+                del self.finished[name]
+        await self._hint()
+
+    def turn_finished(self, agent: str) -> None:
+        count = self.running.get(agent, 0) - 1
+        if count <= 0:
+            self.running.pop(agent, None)
+        else:
+            self.running[agent] = count
+        if agent in self.step_graph.agents:
+            graph = self.step_graph
+            plain = {dst for dst, triggers in graph.to_spec().triggers.items() if any(agent in t for t in triggers)}
+            routed = agent in graph.routers
+            self.finished[agent] = _Completion(pending=plain, router=routed, targets=graph.routers.get(agent))
+
+    def reset(self) -> None:
+        """Forget run-time state (a new run of the team)."""
+        self.running.clear()
+        self.finished.clear()
+
+    async def _hint(self) -> None:
+        known = set(self.step_graph.agents)
+        running = tuple(a for a in self.running if a in known)
+        finished = tuple(a for a in self.finished if a not in self.running)
+        steps = self.step_graph.steps_to_execution(running=running, finished=finished)
+        self.hint_log.append(HintEvent(running, finished, {a: float(v) for a, v in steps.items()}))
+        if not self.send_hints:
+            return
+        try:
+            await _backend_call(self.client, "hints", self.step_graph, running=running, finished=finished)
+        except AttributeError:  # a backend without workflow awareness: stop trying
+            logger.info("%s takes no hints; the adapter keeps only its hint log", type(self.client).__name__)
+            self.send_hints = False
+        except Exception:  # hints are advisory: never fail a turn over them
+            logger.warning("kvbaton hints failed", exc_info=True)
+
+
+async def _backend_call(backend: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    method = getattr(backend, name, None)
+    if method is None:
+        method = getattr(getattr(backend, "engine", None), name, None)
+        if method is None:
+            raise AttributeError(f"{type(backend).__name__} has no {name}()")
+    if inspect.iscoroutinefunction(method):
+        return await method(*args, **kwargs)
+    return await asyncio.to_thread(method, *args, **kwargs)
+
+
+def _wrap_turns(agent: Any, inst: Instrumentation) -> None:
+    """Patch the agent instance's ``on_messages_stream``: turn start/finish and handle stamping."""
+    if getattr(agent, "_kvbaton_wrapped", None) is inst:
+        return
+    original = getattr(agent, "_kvbaton_original_stream", None) or agent.on_messages_stream
+    name = agent.name
+
+    async def on_messages_stream(messages: Sequence[BaseChatMessage], cancellation_token: Any) -> AsyncGenerator[Any, None]:
+        await inst.turn_started(name)
+        model_client = inst.model_clients.get(name)
+        before = model_client.last_handle if model_client is not None else None
+        try:
+            async for item in original(messages, cancellation_token):
+                if isinstance(item, Response):
+                    handle = model_client.last_handle if model_client is not None else None
+                    if handle is not None and handle is not before:
+                        stamp(item.chat_message, handle.id)
+                yield item
+        finally:
+            inst.turn_finished(name)
+
+    agent.on_messages_stream = on_messages_stream
+    agent._kvbaton_original_stream = original
+    agent._kvbaton_wrapped = inst
+
+
+def stamp(message: BaseChatMessage, handle_id: str) -> None:
+    """Set ``message.metadata["kvbaton_handle"]``."""
+    try:
+        message.metadata[METADATA_KEY] = handle_id
+    except Exception:  # a frozen or foreign message type: metadata is best effort
+        logger.debug("could not stamp %r", message, exc_info=True)
+
+
+def _resolve_client(obj: Any, client: Client | AsyncClient | str | None) -> Client | AsyncClient:
+    if isinstance(client, Client | AsyncClient):
+        return client
+    if isinstance(client, str):
+        return shared_connection(client)
+    members = [obj, *_participants(obj)]
+    for member in members:
+        existing = getattr(member, "_model_client", None)
+        if isinstance(existing, KvbatonChatCompletionClient):
+            return existing.kvbaton_client
+    return shared_connection("embedded")
+
+
+def _kv_model_client(
+    existing: Any, backend: Client | AsyncClient, agent: str, options: dict[str, Any]
+) -> KvbatonChatCompletionClient:
+    if isinstance(existing, KvbatonChatCompletionClient):
+        config = existing.dump_component().config
+        config = {**config, **options, "agent": agent, "target": target_of(backend)}
+        return KvbatonChatCompletionClient(backend, **config)
+    return KvbatonChatCompletionClient(backend, agent=agent, **options)
+
+
+def instrument(
+    agent_or_team: T,
+    client: Client | AsyncClient | str | None = None,
+    *,
+    prefill: bool = False,
+    hints: bool = True,
+    **client_options: Any,
+) -> T:
+    """Put kvbaton under an AutoGen agent or team, in place; returns it.
+
+    - every participant with a ``_model_client`` (``AssistantAgent``) gets a
+      :class:`KvbatonChatCompletionClient` tagged with its name (settings of an existing kvbaton client
+      are kept; ``client_options`` such as ``max_tokens=64`` override them), and its system message is
+      registered as its fixed prompt (``prefill=True`` computes it into the prefix cache now);
+    - a ``SelectorGroupChat``'s own model client is swapped too (tagged ``<team name>.selector``);
+    - the step graph is extracted (``obj.step_graph``; run-time state in ``obj.kvbaton``, an
+      :class:`Instrumentation`), and before each turn ``client.hints(step_graph, running, finished)``
+      is sent;
+    - replies are stamped with ``metadata["kvbaton_handle"]``.
+
+    ``client`` is a kvbaton client, a server URL, or ``None`` (the kvbaton client of an existing
+    :class:`KvbatonChatCompletionClient` among the agents, else the process-wide embedded engine).
+    """
+    backend = _resolve_client(agent_or_team, client)
+    obj: Any = agent_or_team
+    participants = _participants(obj)
+    members = participants if participants else [obj]
+    graph = extract_step_graph(obj)
+    inst = Instrumentation(step_graph=graph, client=backend, send_hints=hints)
+    registrations: list[tuple[KvbatonChatCompletionClient, list[dict[str, str]]]] = []
+    for member in members:
+        if hasattr(member, "_model_client"):
+            model_client = _kv_model_client(member._model_client, backend, member.name, client_options)
+            member._model_client = model_client
+            inst.model_clients[member.name] = model_client
+            system = [{"role": "system", "content": m.content} for m in getattr(member, "_system_messages", [])]
+            if system:
+                registrations.append((model_client, system))
+        _wrap_turns(member, inst)
+        member.kvbaton = inst
+    if participants and getattr(obj, "_model_client", None) is not None:  # SelectorGroupChat
+        name = f"{obj.name}{SELECTOR_AGENT_SUFFIX}"
+        # its system prompt embeds the conversation and changes every turn: no fixed prompt to register
+        obj._model_client = _kv_model_client(
+            obj._model_client, backend, name, {**client_options, "register_prompt": False}
+        )
+        inst.model_clients[name] = obj._model_client
+    for model_client, system in registrations:
+        if isinstance(backend, Client):  # an async client registers on the agent's first request instead
+            model_client.register_agent_sync(system, prefill=prefill)
+    if participants:
+        _wrap_reset(obj, inst)
+    obj.kvbaton = inst
+    obj.step_graph = graph
+    return agent_or_team
+
+
+def _wrap_reset(team: Any, inst: Instrumentation) -> None:
+    """``team.reset()`` also forgets which agents ran (the next run starts from the entry points)."""
+    original = getattr(team, "_kvbaton_original_reset", None) or team.reset
+
+    async def reset() -> None:
+        await original()
+        inst.reset()
+
+    team.reset = reset
+    team._kvbaton_original_reset = original
+
+
+def agent(
+    factory: Callable[..., Any] | None = None,
+    *,
+    client: Client | AsyncClient | str | None = None,
+    prefill: bool = False,
+    **client_options: Any,
+) -> Any:
+    """Decorator for a function that builds an ``AssistantAgent``: the agent it returns is instrumented
+    (:func:`instrument`). Works bare (``@agent``) or with options (``@agent(max_tokens=64)``), on
+    plain and ``async`` factories."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                built = await fn(*args, **kwargs)
+                return await asyncio.to_thread(
+                    instrument, built, client, prefill=prefill, **client_options
+                )
+
+            return async_wrapper
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return instrument(fn(*args, **kwargs), client, prefill=prefill, **client_options)
+
+        return wrapper
+
+    return decorate(factory) if factory is not None else decorate
+
+
+def handle_of(message: BaseChatMessage) -> str | None:
+    """The kvbaton handle id stamped on an AutoGen message, if any."""
+    return (getattr(message, "metadata", None) or {}).get(METADATA_KEY)
+
+
+__all__ = [
+    "METADATA_KEY",
+    "HandleTable",
+    "HintEvent",
+    "Instrumentation",
+    "KvbatonChatCompletionClient",
+    "KvbatonChatCompletionClientConfig",
+    "agent",
+    "extract_step_graph",
+    "graph_from_digraph",
+    "graph_round_robin",
+    "graph_selector",
+    "graph_swarm",
+    "handle_of",
+    "handle_table",
+    "instrument",
+    "message_text",
+    "parse_tool_calls",
+    "register_connection",
+    "render_messages",
+    "shared_connection",
+    "stamp",
+    "target_of",
+    "tool_schema",
+]

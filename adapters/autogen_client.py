@@ -1,0 +1,768 @@
+"""``KvbatonChatCompletionClient``: an AutoGen (autogen-core 0.7) model client backed by kvbaton.
+
+The client renders AutoGen's ``LLMMessage``s into chat messages, runs them through a kvbaton
+:class:`~kvbaton.Client` (embedded engine or ``kvbaton serve`` over HTTP; synchronous clients run in
+worker threads, :class:`~kvbaton.AsyncClient`\\ s are awaited) and turns the
+:class:`~kvbaton.Result` back into a ``CreateResult``. Every reply's KV handle is kept in a side
+table keyed by ``(source agent, content)``, because AutoGen drops message metadata before a model
+client sees the messages; a later request looks up the messages of its prompt there and passes the
+handle sharing the longest token prefix with its prompt to ``generate(handle=...)``.
+
+Tools: autogen tools are converted to OpenAI-style ``{"type": "function", "function": {...}}``
+schemas. If the model's chat template renders tools they go through ``chat_tokens(tools=...)``;
+otherwise (SmolLM2's template ignores them) they are described in the system prompt in the Hermes
+format, and the model calls them by writing ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+(a bare JSON object ``{"name": ..., "arguments": ...}`` naming a known tool is accepted too).
+
+See docs/autogen.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import logging
+import re
+import threading
+import uuid
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import Any, Literal, Self
+
+try:
+    from autogen_core import CancellationToken, Component, FunctionCall, Image
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("the AutoGen adapter needs autogen-core: pip install 'kvbaton[autogen]'") from exc
+from autogen_core.models import (
+    AssistantMessage,
+    ChatCompletionClient,
+    CreateResult,
+    FunctionExecutionResultMessage,
+    LLMMessage,
+    ModelCapabilities,  # type: ignore[attr-defined]
+    ModelFamily,
+    ModelInfo,
+    RequestUsage,
+    SystemMessage,
+    UserMessage,
+)
+from autogen_core.tools import Tool, ToolSchema
+from kvbaton.client import AsyncClient, Client
+from kvbaton.errors import HandleNotFound, HandleReleased, KvbatonError
+from kvbaton.handle import Handle
+from kvbaton.types import Result
+from pydantic import BaseModel, Field
+
+logger = logging.getLogger("kvbaton.adapters.autogen")
+
+METADATA_KEY = "kvbaton_handle"
+"""``BaseChatMessage.metadata`` key under which instrumented agents stamp the id of their reply's handle."""
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+
+DEFAULT_MODEL_INFO: ModelInfo = {
+    "vision": False,
+    "function_calling": True,
+    "json_output": False,
+    "family": ModelFamily.UNKNOWN,
+    "structured_output": False,
+    "multiple_system_messages": True,
+}
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+class KvbatonChatCompletionClientConfig(BaseModel):
+    """The serializable configuration: where the engine is, never a live client."""
+
+    target: str = Field(default="embedded", description='"embedded" or a kvbaton server URL (http(s)://...).')
+    model: str | None = Field(default=None, description="Model of an embedded engine (None: the default model).")
+    agent: str | None = Field(default=None, description="Agent name the requests are tagged with.")
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    reuse_handles: bool = Field(default=True, description="Pass the best side-table handle to generate().")
+    tool_prompt: Literal["auto", "template", "system"] = "auto"
+    register_prompt: bool = Field(
+        default=True, description="Register the leading system messages as the agent's fixed prompt."
+    )
+    context_length: int | None = None
+    model_info: dict[str, Any] | None = None
+
+
+# -- shared connections and side tables --------------------------------------------------------------
+
+_connections: dict[tuple[str, str | None], Client | AsyncClient] = {}
+_connections_lock = threading.Lock()
+
+
+def register_connection(
+    client: Client | AsyncClient | None, target: str = "embedded", model: str | None = None
+) -> None:
+    """Make ``client`` the connection that configs naming ``(target, model)`` attach to in this process
+    (``load_component`` of an ``"embedded"`` config then reuses this engine instead of loading another).
+    ``None`` forgets the registered connection (it is not closed)."""
+    with _connections_lock:
+        if client is None:
+            _connections.pop((target, model), None)
+        else:
+            _connections[(target, model)] = client
+
+
+def shared_connection(target: str = "embedded", model: str | None = None) -> Client | AsyncClient:
+    """The process-wide connection for ``(target, model)``, opened with ``kvbaton.connect`` on first use."""
+    with _connections_lock:
+        client = _connections.get((target, model))
+        if client is None:
+            from kvbaton.client import connect
+
+            client = connect(None if target == "embedded" else target, model=model)
+            _connections[(target, model)] = client
+        return client
+
+
+def target_of(client: Client | AsyncClient) -> str:
+    """The config target of a live client: its server URL, or ``"embedded"``."""
+    url = getattr(client, "base_url", None)
+    return str(url) if isinstance(url, str) and url.startswith(("http://", "https://")) else "embedded"
+
+
+def _content_key(source: str, text: str) -> str:
+    return hashlib.sha256(f"{source}\x00{text}".encode()).hexdigest()
+
+
+class HandleTable:
+    """``(source agent, content)`` -> the :class:`~kvbaton.Handle` of the reply that produced it.
+
+    One table per kvbaton backend (handles only mean something to the engine that made them),
+    bounded: the least recently used entries are dropped and their handles released."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, Handle] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, source: str, text: str, handle: Handle) -> list[Handle]:
+        """Record a reply; returns the handles that fell out of the table (to release)."""
+        with self._lock:
+            key = _content_key(source, text)
+            old = self._items.pop(key, None)
+            self._items[key] = handle
+            dropped = [old] if old is not None and old.id != handle.id else []
+            while len(self._items) > self.capacity:
+                dropped.append(self._items.popitem(last=False)[1])
+            live = {h.id for h in self._items.values()}
+            return [h for h in dropped if h.id not in live]
+
+    def get(self, source: str, text: str) -> Handle | None:
+        with self._lock:
+            key = _content_key(source, text)
+            handle = self._items.get(key)
+            if handle is not None:
+                self._items.move_to_end(key)
+            return handle
+
+    def discard(self, handle_id: str) -> None:
+        with self._lock:
+            for key in [k for k, h in self._items.items() if h.id == handle_id]:
+                del self._items[key]
+
+    def handles(self) -> list[Handle]:
+        with self._lock:
+            return list(self._items.values())
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_tables: weakref.WeakKeyDictionary[Any, HandleTable] = weakref.WeakKeyDictionary()
+_tables_lock = threading.Lock()
+
+
+def handle_table(backend: Client | AsyncClient) -> HandleTable:
+    """The side table shared by every adapter client of ``backend``."""
+    with _tables_lock:
+        table = _tables.get(backend)
+        if table is None:
+            table = _tables[backend] = HandleTable()
+        return table
+
+
+# -- rendering ----------------------------------------------------------------------------------------
+
+
+def tool_schema(tool: Tool | ToolSchema | Mapping[str, Any]) -> dict[str, Any]:
+    """An autogen tool as an OpenAI-style function schema."""
+    schema: Mapping[str, Any] = tool.schema if isinstance(tool, Tool) else tool  # type: ignore[assignment]
+    function: dict[str, Any] = {"name": schema["name"]}
+    if schema.get("description"):
+        function["description"] = schema["description"]
+    function["parameters"] = dict(schema.get("parameters") or {"type": "object", "properties": {}})
+    return {"type": "function", "function": function}
+
+
+def tools_system_block(tools: Sequence[dict[str, Any]]) -> str:
+    """The Hermes-style tool description appended to the system prompt when the template ignores tools."""
+    lines = "\n".join(json.dumps(t["function"], sort_keys=True) for t in tools)
+    return (
+        "You can call these tools:\n<tools>\n" + lines + "\n</tools>\n"
+        'To call a tool, reply with <tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>.'
+    )
+
+
+def _text(content: str | Sequence[str | Image]) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append(part)
+        else:
+            raise TypeError("kvbaton models take text only: image content is not supported (vision=False)")
+    return "\n".join(parts)
+
+
+def _call_text(call: FunctionCall) -> str:
+    try:
+        arguments: Any = json.loads(call.arguments) if call.arguments else {}
+    except json.JSONDecodeError:
+        arguments = call.arguments
+    return "<tool_call>" + json.dumps({"name": call.name, "arguments": arguments}) + "</tool_call>"
+
+
+def message_text(message: LLMMessage) -> str:
+    """The text a message is rendered with (also the side-table key of AutoGen replies)."""
+    if isinstance(message, AssistantMessage) and not isinstance(message.content, str):
+        calls = "\n".join(_call_text(c) for c in message.content)
+        return f"{message.thought}\n{calls}" if message.thought else calls
+    if isinstance(message, FunctionExecutionResultMessage):
+        return "\n".join(r.content for r in message.content)
+    return _text(message.content)  # type: ignore[arg-type]
+
+
+def render_messages(
+    messages: Sequence[LLMMessage], tools: Sequence[dict[str, Any]] = (), tools_in_system: bool = False
+) -> list[dict[str, str]]:
+    """``LLMMessage``s as kvbaton chat messages (``role``/``content``).
+
+    Function results become ``tool`` messages wrapped in ``<tool_response>``; assistant function
+    calls become ``<tool_call>`` text. With ``tools_in_system`` the tool block is appended to the
+    first system message (one is added if there is none)."""
+    out: list[dict[str, str]] = []
+    for message in messages:
+        if isinstance(message, SystemMessage):
+            out.append({"role": "system", "content": message.content})
+        elif isinstance(message, UserMessage):
+            out.append({"role": "user", "content": _text(message.content)})
+        elif isinstance(message, AssistantMessage):
+            out.append({"role": "assistant", "content": message_text(message)})
+        elif isinstance(message, FunctionExecutionResultMessage):
+            for result in message.content:
+                out.append({"role": "tool", "content": f"<tool_response>{result.content}</tool_response>"})
+        else:  # pragma: no cover - LLMMessage is a closed union
+            raise TypeError(f"unsupported message type {type(message).__name__}")
+    if tools and tools_in_system:
+        block = tools_system_block(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}"}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def parse_tool_calls(text: str, tool_names: Sequence[str]) -> tuple[list[FunctionCall], str]:
+    """Tool calls in model output: ``<tool_call>{json}</tool_call>`` blocks, or the whole reply being a
+    JSON object (or list of objects) ``{"name": <known tool>, "arguments": {...}}``.
+
+    Returns the calls and the text outside them (the "thought")."""
+    if not tool_names:
+        return [], text
+    found: list[Any] = []
+    rest = text
+    if "<tool_call>" in text:
+        for body in _TOOL_CALL.findall(text):
+            try:
+                found.append(json.loads(body))
+            except json.JSONDecodeError:
+                logger.debug("unparsable tool call %r", body)
+        rest = _TOOL_CALL.sub("", text)
+    else:
+        stripped = text.strip()
+        if stripped.startswith(("{", "[")):
+            try:
+                parsed = json.loads(stripped)
+                found = parsed if isinstance(parsed, list) else [parsed]
+                rest = ""
+            except json.JSONDecodeError:
+                pass
+    calls: list[FunctionCall] = []
+    for item in found:
+        if not isinstance(item, dict) or item.get("name") not in tool_names:
+            continue
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        calls.append(FunctionCall(id=f"call_{uuid.uuid4().hex[:24]}", name=item["name"], arguments=arguments))
+    if not calls:
+        return [], text
+    return calls, rest.strip()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# -- the client -----------------------------------------------------------------------------------------
+
+
+class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCompletionClientConfig]):
+    """An autogen-core ``ChatCompletionClient`` running on kvbaton.
+
+    ``KvbatonChatCompletionClient(client=kvbaton.connect(), agent="planner", max_tokens=64)``, or
+    from configuration only: ``KvbatonChatCompletionClient(target="http://host:8470")`` /
+    ``target="embedded"`` (the process-wide shared connection, see :func:`shared_connection`).
+    ``dump_component()`` / ``load_component()`` round-trip the configuration, not the connection.
+    """
+
+    component_type = "model"
+    component_config_schema = KvbatonChatCompletionClientConfig
+    component_provider_override = "kvbaton.adapters.autogen.KvbatonChatCompletionClient"
+
+    def __init__(
+        self,
+        client: Client | AsyncClient | None = None,
+        *,
+        target: str = "embedded",
+        model: str | None = None,
+        agent: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        reuse_handles: bool = True,
+        tool_prompt: Literal["auto", "template", "system"] = "auto",
+        register_prompt: bool = True,
+        context_length: int | None = None,
+        model_info: ModelInfo | Mapping[str, Any] | None = None,
+    ) -> None:
+        if client is not None and target == "embedded":
+            target = target_of(client)
+        self._config = KvbatonChatCompletionClientConfig(
+            target=target, model=model, agent=agent, max_tokens=max_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, seed=seed, stop=list(stop) if stop is not None else None,
+            reuse_handles=reuse_handles, tool_prompt=tool_prompt, register_prompt=register_prompt,
+            context_length=context_length,
+            model_info=dict(model_info) if model_info is not None else None,
+        )
+        if client is None:
+            client = shared_connection(target, model)
+        self._client = client
+        self._model_info: ModelInfo = {**DEFAULT_MODEL_INFO, **(model_info or {})}  # type: ignore[typeddict-item]
+        self._table = handle_table(client)
+        self._total = RequestUsage(prompt_tokens=0, completion_tokens=0)
+        self._actual = RequestUsage(prompt_tokens=0, completion_tokens=0)
+        self._template_renders_tools: bool | None = None
+        self._registered: list[dict[str, str]] | None = None
+        self.last_result: Result | None = None
+        """The kvbaton :class:`~kvbaton.Result` of the latest request (timings, handle)."""
+        self.last_handle: Handle | None = None
+        self.results: list[Result] = []
+        """Every kvbaton result of this client, oldest first (bounded to the latest 256)."""
+        self._closed = False
+
+    # -- configuration ----------------------------------------------------------------------------
+    @property
+    def agent(self) -> str | None:
+        return self._config.agent
+
+    @property
+    def kvbaton_client(self) -> Client | AsyncClient:
+        """The kvbaton client requests go to."""
+        return self._client
+
+    @property
+    def handle_table(self) -> HandleTable:
+        return self._table
+
+    def with_agent(self, agent: str) -> KvbatonChatCompletionClient:
+        """A client on the same connection and settings, tagged with ``agent``."""
+        options = self._config.model_dump()
+        options["agent"] = agent
+        return KvbatonChatCompletionClient(self._client, **options)
+
+    def _to_config(self) -> KvbatonChatCompletionClientConfig:
+        return self._config.model_copy()
+
+    @classmethod
+    def _from_config(cls, config: KvbatonChatCompletionClientConfig) -> Self:
+        return cls(**config.model_dump())
+
+    # -- backend calls --------------------------------------------------------------------------------
+    def _sync_backend(self) -> Client | None:
+        if isinstance(self._client, Client):
+            return self._client
+        inner = getattr(self._client, "client", None)  # AsyncEmbeddedClient wraps a sync client
+        return inner if isinstance(inner, Client) else None
+
+    async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        backend = self._client
+        method = getattr(backend, name, None)
+        if method is None:  # an embedded client that predates the method: ask its engine
+            method = getattr(getattr(backend, "engine", None), name, None)
+            if method is None:
+                raise AttributeError(f"{type(backend).__name__} has no {name}()")
+        if inspect.iscoroutinefunction(method):
+            return await method(*args, **kwargs)
+        return await asyncio.to_thread(method, *args, **kwargs)
+
+    def _agent_kw(self, method_name: str) -> dict[str, Any]:
+        method = getattr(self._client, method_name, None)
+        if self._config.agent is not None and method is not None and _accepts(method, "agent"):
+            return {"agent": self._config.agent}
+        return {}
+
+    def _sampling(self, extra_create_args: Mapping[str, Any]) -> dict[str, Any]:
+        unknown = set(extra_create_args) - set(SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(f"unsupported extra_create_args {sorted(unknown)}; supported: {list(SAMPLING_KEYS)}")
+        options = {k: getattr(self._config, k) for k in SAMPLING_KEYS if getattr(self._config, k, None) is not None}
+        options.update(extra_create_args)
+        if "stop" in options and options["stop"] is not None:
+            options["stop"] = tuple([options["stop"]] if isinstance(options["stop"], str) else options["stop"])
+        return options
+
+    def _tool_schemas(self, tools: Sequence[Tool | ToolSchema], tool_choice: Any) -> list[dict[str, Any]]:
+        if tool_choice == "none":
+            return []
+        schemas = [tool_schema(t) for t in tools]
+        if isinstance(tool_choice, Tool):
+            schemas = [s for s in schemas if s["function"]["name"] == tool_choice.name]
+        return schemas
+
+    def _renders_tools_sync(self, backend: Client) -> bool:
+        probe = [{"role": "user", "content": "x"}]
+        tool = {"type": "function", "function": {"name": "kvbaton_probe", "parameters": {"type": "object"}}}
+        return backend.chat_tokens(probe, tools=[tool]) != backend.chat_tokens(probe)
+
+    async def _tools_in_system(self, schemas: Sequence[dict[str, Any]]) -> bool:
+        if not schemas or self._config.tool_prompt == "system":
+            return bool(schemas)
+        if self._config.tool_prompt == "template":
+            return False
+        if self._template_renders_tools is None:
+            probe = [{"role": "user", "content": "x"}]
+            tool = {"type": "function", "function": {"name": "kvbaton_probe", "parameters": {"type": "object"}}}
+            with_tools = await self._call("chat_tokens", probe, tools=[tool])
+            without = await self._call("chat_tokens", probe)
+            self._template_renders_tools = with_tools != without
+        return not self._template_renders_tools
+
+    async def _prepare(
+        self,
+        messages: Sequence[LLMMessage],
+        tools: Sequence[Tool | ToolSchema],
+        tool_choice: Any,
+        json_output: Any,
+        extra_create_args: Mapping[str, Any],
+    ) -> tuple[list[dict[str, str]], list[dict[str, Any]] | None, dict[str, Any], Handle | None]:
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        if json_output is not None and json_output is not False:
+            if json_output is True and not self._model_info.get("json_output"):
+                raise ValueError("this model does not support JSON mode (model_info json_output=False)")
+            if not isinstance(json_output, bool) and not self._model_info.get("structured_output"):
+                raise ValueError("this model does not support structured output (model_info structured_output=False)")
+        schemas = self._tool_schemas(tools, tool_choice)
+        in_system = await self._tools_in_system(schemas)
+        chat = render_messages(messages, schemas, tools_in_system=in_system)
+        engine_tools = schemas if schemas and not in_system else None
+        options = self._sampling(extra_create_args)
+        await self._register_fixed(chat, engine_tools)
+        handle = await self._best_handle(messages, chat, engine_tools) if self._config.reuse_handles else None
+        return chat, engine_tools, options, handle
+
+    async def _register_fixed(self, chat: list[dict[str, str]], tools: list[dict[str, Any]] | None) -> None:
+        """(Re-)register the agent's fixed prompt (its leading system messages, tools included)."""
+        if self._config.agent is None or not self._config.register_prompt or tools:
+            # (templated tools: the fixed part is the template's business)
+            return
+        fixed = []
+        for message in chat:
+            if message["role"] != "system":
+                break
+            fixed.append(message)
+        if fixed and fixed != self._registered:
+            try:
+                await self.register_agent(fixed)
+            except AttributeError:  # a backend without workflow awareness: the prefix cache still works
+                logger.debug("%s cannot register agents", type(self._client).__name__)
+                self._registered = fixed
+
+    async def register_agent(self, fixed_prompt: Sequence[Mapping[str, str]] | str, *, prefill: bool = False) -> Any:
+        """Declare this client's agent and its fixed prompt (system messages) to kvbaton."""
+        if self._config.agent is None:
+            raise ValueError("register_agent needs a client tagged with an agent name")
+        if isinstance(fixed_prompt, str):
+            fixed_prompt = [{"role": "system", "content": fixed_prompt}]
+        fixed = [dict(m) for m in fixed_prompt]
+        info = await self._call("register_agent", self._config.agent, fixed, prefill=prefill)
+        self._registered = fixed
+        return info
+
+    def register_agent_sync(self, fixed_prompt: Sequence[Mapping[str, str]] | str, *, prefill: bool = False) -> Any:
+        """:meth:`register_agent` for a synchronous kvbaton client, from synchronous code."""
+        if self._config.agent is None:
+            raise ValueError("register_agent needs a client tagged with an agent name")
+        if isinstance(fixed_prompt, str):
+            fixed_prompt = [{"role": "system", "content": fixed_prompt}]
+        fixed = [dict(m) for m in fixed_prompt]
+        method = getattr(self._client, "register_agent", None) or getattr(
+            getattr(self._client, "engine", None), "register_agent", None
+        )
+        if method is None:
+            logger.debug("%s cannot register agents", type(self._client).__name__)
+            self._registered = fixed
+            return None
+        info = method(self._config.agent, fixed, prefill=prefill)
+        self._registered = fixed
+        return info
+
+    async def _best_handle(
+        self, messages: Sequence[LLMMessage], chat: list[dict[str, str]], tools: list[dict[str, Any]] | None
+    ) -> Handle | None:
+        candidates: dict[str, Handle] = {}
+        for message in messages:
+            source = getattr(message, "source", None)
+            if source is None:
+                continue
+            try:
+                found = self._table.get(source, message_text(message))
+            except TypeError:  # image content: never a reply of ours
+                continue
+            if found is not None:
+                candidates[found.id] = found
+        if not candidates:
+            return None
+        prompt = await self._call("chat_tokens", chat, tools=tools)
+        best, best_len = None, 0
+        for handle in candidates.values():
+            try:
+                shared = _common_prefix(handle.token_ids(), prompt)
+            except (ValueError, KeyError, TypeError):  # a handle without replayable lineage
+                logger.debug("handle %s has no replayable lineage", handle.id)
+                continue
+            if shared > best_len:
+                best, best_len = handle, shared
+        return best
+
+    async def _generate(self, chat: Any, tools: Any, options: dict[str, Any], handle: Handle | None) -> Result:
+        kw = self._agent_kw("generate")
+        try:
+            return await self._call("generate", chat, handle=handle, tools=tools, **kw, **options)
+        except (HandleReleased, HandleNotFound):
+            if handle is None:
+                raise
+            self._table.discard(handle.id)
+            return await self._call("generate", chat, tools=tools, **kw, **options)
+
+    async def _finish(
+        self, result: Result, messages: Sequence[LLMMessage], schemas: list[str]
+    ) -> CreateResult:
+        self.last_result = result
+        self.last_handle = result.handle
+        self.results.append(result)
+        del self.results[:-256]
+        usage = RequestUsage(
+            prompt_tokens=result.timings.tokens_reused + result.timings.tokens_prefilled,
+            completion_tokens=len(result.token_ids),
+        )
+        for total in (self._total, self._actual):
+            total.prompt_tokens += usage.prompt_tokens
+            total.completion_tokens += usage.completion_tokens
+        calls, thought = parse_tool_calls(result.text, schemas)
+        content: str | list[FunctionCall]
+        if calls:
+            content = calls
+            finish: Any = "function_calls"
+            key_text = message_text(AssistantMessage(content=calls, thought=thought or None, source="x"))
+        else:
+            content, thought, finish = result.text, "", result.finish_reason
+            key_text = result.text
+        if self._config.agent is not None:
+            dropped = self._table.put(self._config.agent, key_text, result.handle)
+            if dropped:
+                try:
+                    await self._call("release", dropped)
+                except KvbatonError:  # already released elsewhere: nothing to free
+                    logger.debug("release of dropped handles failed", exc_info=True)
+        return CreateResult(
+            finish_reason=finish, content=content, usage=usage, cached=False,
+            thought=thought or None,
+        )
+
+    # -- ChatCompletionClient -------------------------------------------------------------------------
+    async def create(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        tools: Sequence[Tool | ToolSchema] = [],
+        tool_choice: Tool | Literal["auto", "required", "none"] = "auto",
+        json_output: bool | type[BaseModel] | None = None,
+        extra_create_args: Mapping[str, Any] = {},
+        cancellation_token: CancellationToken | None = None,
+    ) -> CreateResult:
+        chat, engine_tools, options, handle = await self._prepare(
+            messages, tools, tool_choice, json_output, extra_create_args
+        )
+        task = asyncio.ensure_future(self._generate(chat, engine_tools, options, handle))
+        if cancellation_token is not None:
+            cancellation_token.link_future(task)
+        result = await task
+        names = [t["function"]["name"] for t in self._tool_schemas(tools, tool_choice)]
+        return await self._finish(result, messages, names)
+
+    async def create_stream(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        tools: Sequence[Tool | ToolSchema] = [],
+        tool_choice: Tool | Literal["auto", "required", "none"] = "auto",
+        json_output: bool | type[BaseModel] | None = None,
+        extra_create_args: Mapping[str, Any] = {},
+        cancellation_token: CancellationToken | None = None,
+    ) -> AsyncGenerator[str | CreateResult, None]:
+        chat, engine_tools, options, handle = await self._prepare(
+            messages, tools, tool_choice, json_output, extra_create_args
+        )
+        names = [t["function"]["name"] for t in self._tool_schemas(tools, tool_choice)]
+        kw = self._agent_kw("generate_stream")
+        try:
+            stream = await self._call("generate_stream", chat, handle=handle, tools=engine_tools, **kw, **options)
+        except (HandleReleased, HandleNotFound):
+            if handle is None:
+                raise
+            self._table.discard(handle.id)
+            stream = await self._call("generate_stream", chat, tools=engine_tools, **kw, **options)
+        if hasattr(stream, "__aiter__"):
+            async with stream:
+                async for chunk in stream:
+                    if cancellation_token is not None and cancellation_token.is_cancelled():
+                        raise asyncio.CancelledError()
+                    if chunk.text:
+                        yield chunk.text
+            result = stream.result
+        else:
+            end = object()
+            try:
+                while True:
+                    chunk = await asyncio.to_thread(next, stream, end)
+                    if chunk is end:
+                        break
+                    if cancellation_token is not None and cancellation_token.is_cancelled():
+                        raise asyncio.CancelledError()
+                    if chunk.text:
+                        yield chunk.text
+            finally:
+                if stream.result is None:
+                    await asyncio.to_thread(stream.close)
+            result = stream.result
+        assert result is not None
+        yield await self._finish(result, messages, names)
+
+    async def close(self) -> None:
+        """Mark the client closed. The shared connection and the side table (shared by the agents of
+        this connection) stay; :meth:`release_handles` frees the table's handles."""
+        self._closed = True
+
+    def actual_usage(self) -> RequestUsage:
+        return RequestUsage(self._actual.prompt_tokens, self._actual.completion_tokens)
+
+    def total_usage(self) -> RequestUsage:
+        return RequestUsage(self._total.prompt_tokens, self._total.completion_tokens)
+
+    def count_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
+        """Prompt tokens of ``messages`` as kvbaton's tokenizer and chat template render them."""
+        backend = self._sync_backend()
+        if backend is None:
+            raise NotImplementedError("count_tokens needs a synchronous kvbaton client (or an embedded async one)")
+        schemas = [tool_schema(t) for t in tools]
+        in_system = bool(schemas)
+        if schemas and self._config.tool_prompt != "system":
+            if self._template_renders_tools is None and self._config.tool_prompt == "auto":
+                self._template_renders_tools = self._renders_tools_sync(backend)
+            in_system = self._config.tool_prompt == "auto" and not self._template_renders_tools
+        chat = render_messages(messages, schemas, tools_in_system=in_system)
+        return len(backend.chat_tokens(chat, tools=schemas if schemas and not in_system else None))
+
+    def _context_length(self) -> int:
+        if self._config.context_length is not None:
+            return self._config.context_length
+        engine = getattr(self._client, "engine", None)
+        limit = getattr(getattr(engine, "loaded", None), "max_context", None)
+        return int(limit) if limit else 8192
+
+    def remaining_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
+        return self._context_length() - self.count_tokens(messages, tools=tools)
+
+    @property
+    def capabilities(self) -> ModelCapabilities:  # type: ignore[override]
+        return {  # type: ignore[typeddict-item,return-value]
+            "vision": self._model_info["vision"],
+            "function_calling": self._model_info["function_calling"],
+            "json_output": self._model_info["json_output"],
+        }
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    async def release_handles(self) -> None:
+        """Release every handle of the side table (all agents on this connection)."""
+        handles = self._table.handles()
+        for handle in handles:
+            self._table.discard(handle.id)
+        if handles:
+            try:
+                await self._call("release", handles)
+            except KvbatonError:  # all-or-nothing: one was already released elsewhere
+                for handle in handles:
+                    try:
+                        await self._call("release", handle)
+                    except KvbatonError:
+                        logger.debug("handle %s was already released", handle.id)
+
+
+__all__ = [
+    "METADATA_KEY",
+    "HandleTable",
+    "KvbatonChatCompletionClient",
+    "KvbatonChatCompletionClientConfig",
+    "handle_table",
+    "message_text",
+    "parse_tool_calls",
+    "register_connection",
+    "render_messages",
+    "shared_connection",
+    "target_of",
+    "tool_schema",
+    "tools_system_block",
+]

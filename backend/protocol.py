@@ -1,0 +1,210 @@
+"""Request and response bodies of the kvbaton server (native ``/v1/kv/...`` API and the OpenAI-compatible
+endpoints). Responses of the native API reuse the SDK types (``Handle``, ``Result``, ``Stats``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from kvbaton.handle import Handle
+from kvbaton.types import MAX_STOP_STRINGS
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+# A handle in a request: its id, or the whole handle (then checked for compatibility with the server's model).
+HandleRef = Handle | str
+# Text, or token ids.
+ContextIn = str | list[StrictInt]
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="Stable machine-readable code, the SDK exception's `code`.")
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """The one error schema of every endpoint."""
+
+    error: ErrorDetail
+
+
+class Sampling(BaseModel):
+    """Sampling fields, flat in the request body (same names and defaults as ``SamplingParams``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] = Field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = Field(default=False, description="Answer with server-sent events (`chunk`..., then `result`).")
+
+    def sampling_fields(self) -> dict[str, Any]:
+        return self.model_dump(include=set(Sampling.model_fields) - {"stream"})
+
+
+Agent = Annotated[str, Field(min_length=1, max_length=200, description="Agent tag (or header X-Kvbaton-Agent).")]
+
+
+class MaterializeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    context: ContextIn
+    agent: Agent | None = None
+
+
+class ExtendRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    handle: HandleRef
+    context: ContextIn
+    agent: Agent | None = None
+
+
+class ForkRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    handle: HandleRef
+    k: StrictInt = 2
+
+
+class ForkResponse(BaseModel):
+    handles: list[Handle]
+
+
+class ResumeRequest(Sampling):
+    handle: HandleRef
+    suffix: ContextIn = ""
+    agent: Agent | None = None
+
+
+class CompleteRequest(Sampling):
+    prompt: ContextIn
+    agent: Agent | None = None
+
+
+class GenerateRequest(Sampling):
+    messages: list[dict[str, Any]]
+    handle: HandleRef | None = None
+    tools: list[dict[str, Any]] | None = None
+    agent: Agent | None = None
+
+
+class ReleaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    handles: list[HandleRef] = Field(min_length=1)
+
+
+class ReleaseResponse(BaseModel):
+    released: int
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str
+
+
+class TokenIds(BaseModel):
+    token_ids: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    token_ids: list[StrictInt]
+
+
+class Text(BaseModel):
+    text: str
+
+
+class ChatTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+
+class RegisterAgentRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Agent
+    fixed_prompt: ContextIn | list[dict[str, Any]] = Field(
+        description="Text, token ids, or chat messages (rendered without the generation prompt)."
+    )
+    prefill: bool = False
+
+
+class AgentInfoOut(BaseModel):
+    name: str
+    fixed_tokens: int
+
+
+class HintsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: dict[Agent, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=dict, description="Steps until each agent runs next."
+    )
+    running: list[Agent] = Field(default_factory=list, description="Agents running now (steps 0).")
+
+
+class HintsResponse(BaseModel):
+    steps: dict[str, float]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    version: str
+
+
+# -- OpenAI compatible ----------------------------------------------------------------------------
+
+
+class KvbatonExtension(BaseModel):
+    """The ``kvbaton`` body field of ``/v1/chat/completions`` (``extra_body={"kvbaton": {...}}``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent: str | None = Field(default=None, max_length=200, description="Agent tag (also header X-Kvbaton-Agent).")
+    handle: HandleRef | None = Field(default=None, description="A handle whose KV to reuse (longest common prefix).")
+    step: str | int | None = Field(default=None, description="Workflow step tag, echoed back.")
+    keep: bool = Field(
+        default=False,
+        description="Keep every result handle for the caller (who then releases them); by default the server "
+        "keeps only the latest result handle per agent and releases the one before.",
+    )
+
+
+class ChatCompletionRequest(BaseModel):
+    """The OpenAI chat completion request. Unknown fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=10.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    kvbaton: KvbatonExtension | None = None
+
+
+class CompletionRequest(BaseModel):
+    """The OpenAI (legacy) completion request: one prompt, text or token ids."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: ContextIn | list[str] | list[list[StrictInt]]
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=10.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    kvbaton: KvbatonExtension | None = None

@@ -1,0 +1,36 @@
+"""Server defaults and the bind policy, importable without torch (the CLI parses arguments and
+refuses a bad bind before the engine is loaded)."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+
+from .errors import InvalidRequest
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8470
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_OPENAI_MAX_TOKENS = 256
+DEFAULT_MAX_N = 8
+DEFAULT_MAX_AGENTS = 1024
+DEFAULT_THREADS = 64
+TOKEN_ENV = "KVBATON_TOKEN"
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, tokens: Sequence[str]) -> None:
+    """Refuse to expose an unauthenticated server: a non-loopback bind needs a token."""
+    if not is_loopback(host) and not tokens:
+        raise InvalidRequest(
+            f"refusing to bind {host}: a non-loopback address requires a token "
+            f"(pass --token or set {TOKEN_ENV}); without one, bind 127.0.0.1"
+        )
