@@ -24,7 +24,7 @@ from typing import Any
 
 from kvbaton.client import AsyncClient, Client
 from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle
-from kvbaton.handle import Handle
+from kvbaton.handle import Handle, common_prefix_length
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
@@ -228,15 +228,6 @@ def handle_of(message: BaseMessage) -> dict[str, Any] | None:
     return handle if isinstance(handle, dict) and "id" in handle else None
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _dict_tokens(data: dict[str, Any]) -> list[int]:
     """``Handle.token_ids()`` of a handle's JSON dict, without validating the whole handle."""
     tokens: list[int] = []
@@ -260,7 +251,7 @@ def pick_handle(
         lengths = []
         for data in order:
             try:
-                lengths.append(_common_prefix(_dict_tokens(data), tokens))
+                lengths.append(common_prefix_length(_dict_tokens(data), tokens))
             except (TypeError, AttributeError):
                 lengths.append(-1)
         best = max(range(len(order)), key=lambda i: (lengths[i], -i))

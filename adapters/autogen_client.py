@@ -52,7 +52,7 @@ from autogen_core.models import (
 from autogen_core.tools import Tool, ToolSchema
 from kvbaton.client import AsyncClient, Client
 from kvbaton.errors import HandleNotFound, HandleReleased, KvbatonError
-from kvbaton.handle import Handle
+from kvbaton.handle import Handle, common_prefix_length
 from kvbaton.types import Result
 from pydantic import BaseModel, Field
 
@@ -314,12 +314,6 @@ def parse_tool_calls(text: str, tool_names: Sequence[str]) -> tuple[list[Functio
     return calls, rest.strip()
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _accepts(fn: Any, name: str) -> bool:
@@ -566,7 +560,7 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         best, best_len = None, 0
         for handle in candidates.values():
             try:
-                shared = _common_prefix(handle.token_ids(), prompt)
+                shared = common_prefix_length(handle.token_ids(), prompt)
             except (ValueError, KeyError, TypeError):  # a handle without replayable lineage
                 logger.debug("handle %s has no replayable lineage", handle.id)
                 continue

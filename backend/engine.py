@@ -37,7 +37,7 @@ from kvbaton.errors import (
     InvalidRequest,
     PoolExhausted,
 )
-from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, new_handle_id
+from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, common_prefix_length, new_handle_id
 from kvbaton.stream import TokenStream
 from kvbaton.types import AgentInfo, AgentStats, CacheStats, ChatMessage, Result, SamplingParams, Stats, StreamChunk, Timings
 
@@ -230,7 +230,7 @@ class Engine:
                 state = self._new_state(None, 0, prompt, LineageStep(op=Op.GENERATE, token_ids=tuple(prompt)))
             else:
                 parent = self._lookup(handle)
-                keep = _common_prefix(parent.token_ids, prompt)
+                keep = common_prefix_length(parent.token_ids, prompt)
                 step = LineageStep(
                     op=Op.GENERATE,
                     parent=parent.id,
@@ -619,19 +619,23 @@ class Engine:
             if not any(n.state is NodeState.SLOW for n in path):
                 break
             started = cache.begin_load(path)
-            for node in started:
-                if node.state is not NodeState.LOADING:  # dropped with a failed ancestor
-                    continue
-                tier = cache.tiers[node.tier].name  # type: ignore[index]
-                try:
-                    data = cache.read(node)
-                except TierDataError as exc:
-                    log.warning("%s; recomputing those tokens", exc)
-                    data = None
-                if cache.finish_load(node, data):
-                    self._tier_hits[tier] = self._tier_hits.get(tier, 0) + 1
-                    self._blocks_loaded_reactive += 1
-            self._loaded.notify_all()
+            try:
+                for node in started:
+                    if node.state is not NodeState.LOADING:  # dropped with a failed ancestor
+                        continue
+                    tier = cache.tiers[node.tier].name  # type: ignore[index]
+                    try:
+                        data = cache.read(node)
+                    except TierDataError as exc:
+                        log.warning("%s; recomputing those tokens", exc)
+                        data = None
+                    if cache.finish_load(node, data):
+                        self._tier_hits[tier] = self._tier_hits.get(tier, 0) + 1
+                        self._blocks_loaded_reactive += 1
+            finally:
+                for node in started:  # whatever happened, nobody may wait on these forever
+                    cache.finish_load(node, None)
+                self._loaded.notify_all()
             if not started:
                 break
         device = []
@@ -764,9 +768,3 @@ def _p90(values: Sequence[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

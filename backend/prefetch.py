@@ -77,20 +77,22 @@ class Prefetcher:
             if not any(n.state is NodeState.SLOW for n in path):
                 return
             started = self._cache.begin_load(path, allowed=self._later_than(ste))
-        loaded: list[tuple[RadixNode, object]] = []
-        for node in started:  # the slow part, outside the lock
-            try:
-                loaded.append((node, self._cache.read(node)))
-            except TierDataError as exc:
-                log.warning("prefetch: %s; the tokens will be recomputed", exc)
-                loaded.append((node, None))
-        with self._lock:
-            for node, data in loaded:
-                if self._cache.finish_load(node, data):  # type: ignore[arg-type]
-                    node.prefetched = True
-                    self.blocks_prefetched += 1
-                    self.bytes_prefetched += self._cache.pool.shape.bytes_per_block
-            self._loaded.notify_all()
+        loaded: dict[int, object] = {}
+        try:
+            for node in started:  # the slow part, outside the lock
+                try:
+                    loaded[id(node)] = self._cache.read(node)
+                except TierDataError as exc:
+                    log.warning("prefetch: %s; the tokens will be recomputed", exc)
+        finally:
+            # Every started node is finished, with data or as a failure: requests wait on them.
+            with self._lock:
+                for node in started:
+                    if self._cache.finish_load(node, loaded.get(id(node))):  # type: ignore[arg-type]
+                        node.prefetched = True
+                        self.blocks_prefetched += 1
+                        self.bytes_prefetched += self._cache.pool.shape.bytes_per_block
+                self._loaded.notify_all()
 
     def _later_than(self, ste: float) -> Callable[[RadixNode], bool]:
         """Prefetch may evict only nodes needed strictly later than the agent it loads."""

@@ -8,7 +8,8 @@ references, so a block is evictable only when the tree's is the last one.
 Node states: ``device`` (in the pool), ``offloading`` (being written to a slow tier; synchronous
 here, so transient), ``slow`` (only in a slow tier), ``loading`` (pool block reserved, data on its
 way back). Invariant: the ancestors of an on-device node are on the device too, because eviction
-takes device leaves first and loading goes root to leaf.
+takes device leaves first and loading goes root to leaf. A node removed from the tree is
+``dropped``, so code still holding an old path can tell.
 
 Which candidate goes first is the eviction policy's business (``eviction.py``); the tree only
 knows which nodes may go.
@@ -34,6 +35,7 @@ class NodeState(str, Enum):
     OFFLOADING = "offloading"
     SLOW = "slow"
     LOADING = "loading"
+    DROPPED = "dropped"  # no longer in the tree; holders of a stale path see this
 
 
 @dataclass(eq=False)
@@ -225,14 +227,16 @@ class RadixCache:
         started = []
         protected = {id(n) for n in nodes}
         for node in nodes:
+            if node.state is NodeState.DROPPED:
+                break  # making room dropped it (and so everything below it): the rest is gone
             if node.state is not NodeState.SLOW:
                 continue
             if self.pool.num_free == 0:
                 def may_go(other: RadixNode) -> bool:
                     return id(other) not in protected and (allowed is None or allowed(other))
 
-                self.evict(1, may_go)
-            if self.pool.num_free == 0:
+                self.evict(1, may_go)  # may make room in a tier by dropping this very node
+            if self.pool.num_free == 0 or node.state is not NodeState.SLOW:
                 break
             (node.block,) = self.pool.allocate(1)
             node.state = NodeState.LOADING
@@ -293,7 +297,7 @@ class RadixCache:
     def _detach(self, node: RadixNode) -> None:
         if node.parent is not None:
             node.parent.children.pop(node.key, None)
-        node.state = NodeState.SLOW  # anything still holding it sees it as not on device
+        node.state = NodeState.DROPPED
         node.tier = None
 
     def _forget_tier_copy(self, node: RadixNode) -> None:

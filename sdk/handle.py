@@ -8,6 +8,7 @@ produced it, enough to recompute the state from scratch when the KV itself is go
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
@@ -57,6 +58,15 @@ class Placement(BaseModel):
 
     device: str
     tier: str = "device"
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids two sequences share: what a handle of ``a`` can give a prompt ``b``."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def new_handle_id() -> str:

@@ -179,3 +179,28 @@ def test_client_tags_agents_and_sends_hints():
         stats = client.stats()
         assert stats.agents["writer"].requests == 1
         assert stats.cache.steps_to_execution == {"writer": 1.0, "critic": 0.0}
+
+
+def test_bounded_slow_tier_with_prefetch_never_breaks_a_path(reference, corpus_tokens, caplog):
+    """Slow tier smaller than the working set: making room may drop nodes of the very path being
+    loaded; loading stops there and the rest is recomputed (regression: this used to crash)."""
+    engine = Engine(kv_budget="26 blocks", tiers=["disk:14 blocks"], tier_eviction="lru", lookahead=2)
+    graph = StepGraph()
+    names = ["a", "b", "c", "d"]
+    for src, dst in zip(names, names[1:] + names[:1]):
+        graph.add_edge(src, dst)
+    fixed = {name: corpus_tokens[i * 200 : i * 200 + 160] for i, name in enumerate(names)}  # 10 blocks each
+    for name, tokens in fixed.items():
+        engine.register_agent(name, tokens)
+    with caplog.at_level("ERROR"):
+        for step, agent in enumerate(names * 2):
+            engine.hints(graph, running=[agent])
+            prompt = fixed[agent] + corpus_tokens[1000 + step : 1004 + step]
+            result = engine.complete(prompt, SamplingParams(max_tokens=2, ignore_eos=True), agent=agent)
+            assert result.token_ids == dense_greedy(reference, prompt, 2)[0]
+            engine.release(result.handle)
+            engine.prefetcher.idle()
+    assert not [r for r in caplog.records if "prefetch" in r.getMessage()]
+    stats = engine.stats()
+    assert stats.blocks_used <= 26 and stats.cache.nodes_per_tier["disk"] <= 14
+    engine.close()

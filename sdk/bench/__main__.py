@@ -7,6 +7,7 @@ import importlib
 import sys
 
 BENCHMARKS = {
+    "serve": ("kvbaton.bench.serve", "kvbaton serve: throughput and TTFT at 1/8/32 clients, reuse on vs off"),
     "ttft": ("kvbaton.bench.ttft", "TTFT: text replay vs resume from a handle vs the question-only floor"),
     "adapter_overhead": ("kvbaton.bench.adapter_overhead", "LangGraph adapter overhead per LLM call (no model time)"),
     "engine": ("kvbaton.bench.engine", "engine speed vs plain transformers: prefill, decode, batched decode"),
