@@ -25,7 +25,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=40)
     args = parser.parse_args()
 
-    client = kvbaton.connect()
+    # The prefix cache is off so that the text-replay baseline really re-reads the context
+    # (with it on, kvbaton would find the replayed context cached and reuse it automatically).
+    client = kvbaton.connect(prefix_cache=False)
     system = {"role": "system", "content": "You are a team assistant. Meeting notes:\n" + document(args.context_words)}
     shared_tokens = client.chat_tokens([system], add_generation_prompt=False)
 

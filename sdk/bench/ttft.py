@@ -24,7 +24,8 @@ DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 def run(lengths: tuple[int, ...] = DEFAULT_LENGTHS, repeats: int = 3, with_hf: bool = True) -> dict[str, Any]:
     from kvbaton.backend import Engine, load_model
 
-    engine = Engine(kv_budget="2GiB")
+    # No prefix cache: (a) must really re-read the context, not find it cached from (b)'s handle.
+    engine = Engine(kv_budget="2GiB", prefix_cache=False)
     corpus = engine.tokenize(document(int(max(lengths) * 0.9) + 200, seed=11))
     if len(corpus) < max(lengths):
         raise RuntimeError("corpus too short for the requested context lengths")
