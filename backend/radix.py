@@ -89,9 +89,6 @@ class RadixCache:
                 break
             node.owners.add(name)
 
-    def agents(self) -> dict[str, list[int]]:
-        return dict(self._agents)
-
     def fixed_path(self, name: str) -> list[RadixNode]:
         tokens = self._agents.get(name, [])
         return self.match(tokens, len(tokens), touch=False)
