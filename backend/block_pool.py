@@ -142,6 +142,17 @@ class BlockPool:
         self.k[layer][:, slots] = key
         self.v[layer][:, slots] = value
 
+    def read_rows(self, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of every layer's K/V at ``slots``, each ``[layers, kv_heads, tokens, head_dim]``."""
+        if isinstance(slots, slice):
+            return self.k[:, :, slots].clone(), self.v[:, :, slots].clone()
+        return self.k.index_select(2, slots), self.v.index_select(2, slots)
+
+    def write_rows(self, slots: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store every layer's K/V (``[layers, kv_heads, tokens, head_dim]``) at ``slots``."""
+        self.k[:, :, slots] = k.to(self.k.dtype)
+        self.v[:, :, slots] = v.to(self.v.dtype)
+
     def read(self, layer: int, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K/V at ``slots`` as ``[kv_heads, tokens, head_dim]``."""
         if isinstance(slots, slice):

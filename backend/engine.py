@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,20 +35,45 @@ from kvbaton.errors import (
     HandleReleased,
     IncompatibleHandle,
     InvalidRequest,
+    MergeConflict,
     PoolExhausted,
 )
-from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, common_prefix_length, new_handle_id
+from kvbaton.handle import (
+    Handle,
+    LineageStep,
+    Op,
+    Placement,
+    Positions,
+    Segment,
+    common_prefix_length,
+    new_handle_id,
+)
 from kvbaton.stream import TokenStream
-from kvbaton.types import AgentInfo, AgentStats, CacheStats, ChatMessage, Result, SamplingParams, Stats, StreamChunk, Timings
+from kvbaton.types import (
+    AgentInfo,
+    AgentStats,
+    CacheStats,
+    ChatMessage,
+    Composition,
+    Fidelity,
+    Result,
+    SamplingParams,
+    SegmentReport,
+    Stats,
+    StreamChunk,
+    Timings,
+)
 
 from .attention import ATTN_IMPLEMENTATION
 from .block_pool import BlockPool, PoolShape, blocks_for_budget
+from .correction import AnchorPool, CorrectionConfig, from_canonical, to_canonical
 from .detokenizer import Detokenizer
 from .eviction import EvictionPolicy, make_policy
 from .loader import LoadedModel, cache_dir, load_model
 from .model_runner import Chunk, ModelRunner
 from .prefetch import Prefetcher
 from .radix import NodeState, RadixCache
+from .rotary import RopeShifter
 from .sampler import make_generator, sample
 from .scheduler import Scheduler
 from .sequence import KVState
@@ -87,6 +112,7 @@ class Engine:
         tier_eviction: str | None = None,
         prefetch: bool = True,
         lookahead: int = DEFAULT_LOOKAHEAD,
+        correction: CorrectionConfig | dict[str, Any] | None = None,
     ) -> None:
         if block_size < 1 or prefill_chunk < 1 or lookahead < 0:
             raise InvalidRequest("block_size and prefill_chunk must be positive, lookahead >= 0")
@@ -109,6 +135,10 @@ class Engine:
             rope_type=lm.rope_type, rope_theta=lm.rope_theta, rope_parameters=lm.rope_parameters
         )
         self.placement = Placement(device=str(lm.device), tier="device")
+        self.correction = _correction_config(correction) or CorrectionConfig()
+        self._anchor_pools: dict[CorrectionConfig, AnchorPool] = {}
+        self._references: OrderedDict[tuple[str, int], tuple[list[int], torch.Tensor]] = OrderedDict()
+        self.shifter = RopeShifter.from_model(lm.model, lm.rope_type, lm.rope_parameters)
         self._states: dict[str, KVState] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.RLock()
@@ -400,10 +430,406 @@ class Engine:
                 self._drop(state)
         self.scheduler.close()
 
+    # -- composition of shared segments (re-alignment, correction, restricted merge) ------------------
+    def compose(
+        self,
+        prefix: HandleLike | Context | None = None,
+        segments: Sequence[Segment | Handle] = (),
+        suffix: Context | None = None,
+        *,
+        agent: str | None = None,
+        mode: str = "auto",
+        correction: CorrectionConfig | dict[str, Any] | None = None,
+    ) -> Composition:
+        """Assemble ``prefix + segments + suffix`` from existing K/V, prefilling only what must be.
+
+        ``prefix`` is a handle (its K/V are shared, zero copy), text or token ids; each segment is a
+        :class:`~kvbaton.Segment` (or a whole handle) whose K/V are reused: exactly when the tokens before
+        it are the same as in its source, otherwise re-aligned to the new positions and, in ``mode="auto"``,
+        corrected for the new context by the anchor pool or recomputed densely when the gate is unsure.
+        ``mode="rotate"`` re-aligns without correction (an explicit approximation); ``mode="dense"``
+        recomputes every segment that is not exact. Approximate results are flagged (``exact=False`` on
+        the handle) and never enter the prefix cache. ``correction`` overrides the engine's anchor-pool
+        settings for this call (each distinct setting keeps its own pools).
+        """
+        t0 = time.perf_counter()
+        if mode not in ("auto", "rotate", "dense"):
+            raise InvalidRequest(f"mode must be 'auto', 'rotate' or 'dense', got {mode!r}")
+        _check_agent(agent)
+        pool = self.anchor_pool(correction)
+        parts = [_as_segment(s) for s in segments]
+        suffix_tokens = [] if suffix is None else self._tokens(suffix, what="suffix", allow_empty=True)
+        with self._lock:
+            parent = self._lookup(prefix) if isinstance(prefix, Handle) else None
+            if parent is not None:
+                prefix_tokens = list(parent.token_ids)
+            elif prefix is None:
+                prefix_tokens = []
+            else:
+                prefix_tokens = self._tokens(prefix, what="prefix", allow_empty=True)  # type: ignore[arg-type]
+            sources: list[tuple[KVState, int, int, str]] = []
+            tokens = list(prefix_tokens)
+            offsets = []
+            for i, part in enumerate(parts):
+                src = self._lookup(part.handle)
+                start, end = part.bounds()
+                if not start < end <= src.num_tokens:
+                    raise InvalidRequest(
+                        f"segment {i} covers tokens {start}..{end} of a handle with {src.num_tokens} tokens"
+                    )
+                sources.append((src, start, end, part.slot or f"segment{i}"))
+                offsets.append(len(tokens))
+                tokens.extend(src.token_ids[start:end])
+            tokens.extend(suffix_tokens)
+            if not tokens:
+                raise InvalidRequest("nothing to compose: give a prefix, segments or a suffix")
+            self._check_context(len(tokens))
+            added = tokens[len(prefix_tokens) :] if parent is not None else tokens
+            step = LineageStep(op=Op.COMPOSE, parent=parent.id if parent else None, token_ids=tuple(added))
+            state = (
+                self._new_state(parent, parent.num_tokens, added, step)
+                if parent is not None
+                else self._new_state(None, 0, tokens, step)
+            )
+            state.agent = agent
+            pinned = [b for src, *_ in sources for b in src.blocks]
+            self.pool.incref(pinned)  # the sources may be released meanwhile: keep their K/V readable
+        try:
+            with self._lock:
+                self._attach_cached(state)
+                self._reserve(state, state.num_tokens)
+            reused_before = state.num_cached
+            reports = []
+            for i, ((src, start, end, slot), offset) in enumerate(zip(sources, offsets, strict=True)):
+                report = self._place_segment(state, i, src, start, end, slot, offset, mode, pool)
+                if report.outcome in ("rotated", "corrected") and state.exact_len is None:
+                    state.exact_len = offset
+                reports.append(report)
+            self._compute_until(state, state.num_tokens)
+            # Segments found in the prefix cache are already counted in reused_before.
+            reused = reused_before + sum(r.tokens_reused for r in reports if r.offset >= reused_before)
+            with self._lock:
+                self._cache_insert(state)
+                self._tokens_reused += reused
+                self._tokens_prefilled += state.num_tokens - reused
+                self._states[state.id] = state
+                handle = self._handle(state)
+        except BaseException:
+            with self._lock:
+                self._drop(state)
+            raise
+        finally:
+            with self._lock:
+                self.pool.decref(pinned)
+        return Composition(
+            handle=handle,
+            segments=reports,
+            exact=state.exact_len is None,
+            tokens_reused=reused,
+            tokens_prefilled=state.num_tokens - reused,
+            compose_s=time.perf_counter() - t0,
+        )
+
+    def anchor_pool(self, correction: CorrectionConfig | dict[str, Any] | None = None) -> AnchorPool:
+        """The anchor pools used with ``correction`` settings (the engine's own by default)."""
+        cfg = _correction_config(correction) or self.correction
+        with self._lock:
+            return self._anchor_pools.setdefault(cfg, AnchorPool(cfg))
+
+    def merge(
+        self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+        correction: CorrectionConfig | dict[str, Any] | None = None,
+    ) -> Composition:
+        """Restricted merge: never blends divergent K/V of the same positions.
+
+        Whole handles must be prefix-compatible (each a prefix of the longest, which is the result);
+        segments are concatenated through :meth:`compose` and must not overlap in a common source.
+        Text-level reduction is an ordinary ``generate`` call over the parts' texts.
+        """
+        items = list(parts)
+        if not items:
+            raise InvalidRequest("merge needs at least one handle or segment")
+        if all(isinstance(p, Handle) for p in items):
+            with self._lock:
+                states = [self._lookup(p) for p in items]  # type: ignore[arg-type]
+                longest = max(states, key=lambda s: s.num_tokens)
+                for st in states:
+                    common = common_prefix_length(st.token_ids, longest.token_ids)
+                    if common < st.num_tokens:
+                        raise MergeConflict(
+                            f"handles {st.id} and {longest.id} diverge at token {common}: their K/V for the same "
+                            "positions differ and are never blended; compose explicit segments instead, or "
+                            "reduce the texts with a generate call"
+                        )
+            t0 = time.perf_counter()
+            (child,) = self.fork(longest.id, 1)
+            report = [
+                SegmentReport(
+                    index=i, source=st.id, start=0, end=st.num_tokens, offset=0, outcome="exact",
+                    reason="prefix-compatible", tokens_reused=st.num_tokens,
+                )
+                for i, st in enumerate(states)
+            ]
+            return Composition(
+                handle=child, segments=report, exact=child.exact, tokens_reused=child.num_tokens,
+                tokens_prefilled=0, compose_s=time.perf_counter() - t0,
+            )
+        segs = [_as_segment(p) for p in items]
+        for i, a in enumerate(segs):
+            for b in segs[i + 1 :]:
+                (sa, ea), (sb, eb) = a.bounds(), b.bounds()
+                if a.handle.id == b.handle.id and sa < eb and sb < ea:
+                    raise MergeConflict(
+                        f"segments {sa}..{ea} and {sb}..{eb} of handle {a.handle.id} overlap: the same positions "
+                        "would appear twice"
+                    )
+        return self.compose(segments=segs, agent=agent, mode=mode, correction=correction)
+
+    def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
+        """Compare a handle's continuation with dense prefill of the same tokens (greedy; KL along dense).
+
+        The dense side is a fresh prefill that bypasses the prefix cache, or ``reference``: an exact handle
+        of the same tokens (its continuation is remembered, so several candidates compare cheaply).
+        """
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 4096:
+            raise InvalidRequest("max_tokens must be an integer in 1..4096")
+        with self._lock:
+            tokens = list(self._lookup(handle).token_ids)
+            ref = self._lookup(reference) if reference is not None else None
+            if ref is not None and (ref.token_ids != tokens or ref.exact_len is not None):
+                raise InvalidRequest("the reference must be an exact handle of the same tokens")
+            known = self._references.get((ref.id, max_tokens)) if ref is not None else None
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if known is None:
+            dense = self._dense_reference(tokens) if ref is None else None
+            source: HandleLike = dense if dense is not None else ref.id  # type: ignore[union-attr]
+            try:
+                theirs = self.resume(source, "", greedy)
+                self.release(theirs.handle)
+                known = (theirs.token_ids, torch.log_softmax(self._logits_along(source, theirs.token_ids[:-1]), -1))
+            finally:
+                if dense is not None:
+                    self.release(dense)
+            if ref is not None:
+                with self._lock:
+                    self._references[(ref.id, max_tokens)] = known
+                    while len(self._references) > 16:
+                        self._references.popitem(last=False)
+        dense_tokens, p = known
+        ours = self.resume(handle, "", greedy)
+        self.release(ours.handle)
+        q = torch.log_softmax(self._logits_along(handle, dense_tokens[:-1]), dim=-1)
+        kl = (p.exp() * (p - q)).sum(dim=-1)
+        agree = common_prefix_length(ours.token_ids, dense_tokens)
+        return Fidelity(
+            tokens=max_tokens,
+            first_token_agrees=bool(ours.token_ids[:1] == theirs.token_ids[:1]),
+            greedy_agreement=agree / max_tokens,
+            kl_mean=float(kl.mean()),
+            kl_first=float(kl[0]),
+            dense_token_ids=dense_tokens,
+            handle_token_ids=ours.token_ids,
+        )
+
+    def _dense_reference(self, tokens: list[int]) -> Handle:
+        """A fresh dense prefill of ``tokens`` that neither reads nor feeds the prefix cache."""
+        with self._lock:
+            state = self._new_state(None, 0, tokens, LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)))
+            state.cacheable = False
+            self._reserve(state, state.num_tokens)
+        try:
+            self._compute(state)
+        except BaseException:
+            with self._lock:
+                self._drop(state)
+            raise
+        with self._lock:
+            self._states[state.id] = state
+            return self._handle(state)
+
+    def _logits_along(self, handle: HandleLike, tokens: Sequence[int]) -> torch.Tensor:
+        """Next-token logits after the handle and after each of ``tokens``: ``[len(tokens) + 1, vocab]``."""
+        with self._lock:
+            parent = self._lookup(handle)
+            last = parent.num_tokens - 1
+            state = self._new_state(parent, last, [parent.token_ids[last], *tokens], LineageStep(op=Op.RESUME))
+            state.num_cached = min(state.num_cached, last)
+        try:
+            with self._lock:
+                self._reserve(state, state.num_tokens)
+            return self.scheduler.run(
+                Chunk(list(state.blocks), state.num_cached, state.token_ids[state.num_cached :], all_logits=True)
+            )[-(len(tokens) + 1) :]
+        finally:
+            with self._lock:
+                self._drop(state)
+
+    def _place_segment(
+        self, state: KVState, index: int, src: KVState, start: int, end: int, slot: str, offset: int, mode: str,
+        anchors: AnchorPool,
+    ) -> SegmentReport:
+        """Fill positions ``offset..`` of ``state`` with segment ``start..end`` of ``src`` (lock not held)."""
+        n = end - start
+
+        def report(outcome: str, reason: str, reused: int, **extra: Any) -> SegmentReport:
+            return SegmentReport(
+                index=index, source=src.id, start=start, end=end, offset=offset, outcome=outcome,  # type: ignore[arg-type]
+                reason=reason, tokens_reused=reused, **extra,
+            )
+
+        def dense(reason: str, **extra: Any) -> SegmentReport:
+            self._compute_until(state, offset + n)
+            return report("recomputed", reason, 0, **extra)
+
+        if state.num_cached >= offset + n:
+            return report("exact", "found in the prefix cache", n)
+        if state.num_cached > offset:
+            return dense("partly found in the prefix cache; the rest was prefilled")
+        self._compute_until(state, offset)  # the dense part before this segment
+        available = min(end, src.num_cached) - start  # a resumed source may not have its last token's K/V yet
+        if available <= 0:
+            return dense("the source has no K/V for these tokens yet")
+        same_context = start == offset and src.token_ids[:start] == state.token_ids[:offset]
+        if same_context and (src.exact_len is None or src.exact_len >= start + available):
+            self._copy_rows(src, start, state, offset, available)
+            return report("exact", "same tokens before it as in its source", available)
+        if mode == "dense":
+            return dense("mode='dense'")
+        if not self.shifter.shiftable():
+            return dense(f"RoPE type {self.shifter.rope_type!r} cannot be re-aligned exactly")
+        k, v = self._read_rows(src, start, available)
+        if mode == "rotate":
+            self._write_rows(state, offset, self.shifter.shift(k, start, offset), v)
+            return report("rotated", "keys re-aligned to the new positions; no correction (mode='rotate')", available)
+        cfg = anchors.config
+        if cfg.chained:  # KVCMAS: the source agent's own cache is the reference
+            ref_k, ref_v, ref_start, key = k, v, start, (slot, src.agent, state.agent)
+        else:  # context-free reference: the segment prefilled on its own
+            ref_k, ref_v = self._segment_base(src.token_ids[start : start + available])
+            ref_start, key = 0, (slot, state.agent)
+        reference = to_canonical(self.shifter.shift(ref_k, ref_start, 0), ref_v)
+        estimate = anchors.estimate(key, reference)
+        if estimate.delta is None:
+            out = dense(estimate.reason, anchors=estimate.anchors, entropy=estimate.entropy)
+            exact_k, exact_v = self._read_rows(state, offset, available)
+            anchors.add(key, reference, to_canonical(self.shifter.shift(exact_k, offset, 0), exact_v))
+            return out
+        m = estimate.tokens
+        k_rest, v_rest = from_canonical(reference[:, :m] + estimate.delta, self.loaded.num_kv_heads, self.loaded.head_dim)
+        k_all = torch.cat((self.shifter.shift(ref_k[:1, :, :m], ref_start, 0), k_rest.to(ref_k.dtype)), dim=0)
+        v_all = torch.cat((ref_v[:1, :, :m], v_rest.to(ref_v.dtype)), dim=0)
+        self._write_rows(state, offset, self.shifter.shift(k_all, 0, offset), v_all)
+        return report("corrected", estimate.reason, m, anchors=estimate.anchors, entropy=estimate.entropy)
+
+    def _segment_base(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of ``tokens`` prefilled on their own from position 0 (the non-chained reference)."""
+        base = self.materialize(tokens)
+        try:
+            with self._lock:
+                return self._read_rows(self._lookup(base), 0, len(tokens))
+        finally:
+            self.release(base)
+
+    def _read_rows(self, state: KVState, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.read_rows(self.pool.slots(state.blocks, start, start + n))
+
+    def _write_rows(self, state: KVState, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V rows at the state's next uncached positions (blocks reserved, privately owned)."""
+        assert start == state.num_cached
+        n = k.shape[2]
+        self.pool.write_rows(self.pool.slots(state.blocks, start, start + n), k, v)
+        state.num_cached = start + n
+        state.last_logits = None
+
+    def _copy_rows(self, src: KVState, start: int, dst: KVState, offset: int, n: int) -> None:
+        k, v = self._read_rows(src, start, n)
+        self._write_rows(dst, offset, k, v)
+
     def describe(self, handle: HandleLike) -> Handle:
         """The current metadata of a live handle."""
         with self._lock:
             return self._handle(self._lookup(handle))
+
+    # -- moving state between engines (multi-device) ------------------------------------------------
+    def transfer(self, handle: HandleLike, device: int | str) -> Handle:
+        """One engine is one device: a transfer to it (rank 0 or its device name) is a no-op, any
+        other target an error. Multi-device servers (``kvbaton serve --devices``) move KV for real."""
+        dev = self.pool.device
+        names = {0, "0", "worker:0", str(dev)} | ({dev.type} if dev.index in (None, 0) else set())
+        if isinstance(device, bool) or device not in names:
+            raise InvalidRequest(
+                f"this engine has one device ({dev}): cannot transfer to {device!r}; "
+                "transfers between devices need a multi-device server (kvbaton serve --devices ...)"
+            )
+        return self.describe(handle)
+
+    def export_kv(self, handle: HandleLike) -> tuple[Handle, int, Iterator[tuple[torch.Tensor, torch.Tensor]]]:
+        """A live handle's metadata, how many of its tokens have K/V, and an iterator over copies of
+        those blocks' K/V, one block at a time. The blocks stay pinned until the iterator ends or is
+        closed, so a concurrent release cannot recycle them mid-export."""
+        with self._lock:
+            state = self._lookup(handle)
+            num_cached = state.num_cached
+            blocks = list(state.blocks[: -(-num_cached // self.block_size)])
+            self.pool.incref(blocks)
+            meta = self._handle(state)
+
+        def read() -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+            try:
+                for block in blocks:
+                    yield self.pool.read_block(block)
+            finally:
+                with self._lock:
+                    self.pool.decref(blocks)
+
+        return meta, num_cached, read()
+
+    def adopt(
+        self,
+        handle: Handle,
+        kv: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        num_cached: int = 0,
+        *,
+        agent: str | None = None,
+    ) -> Handle:
+        """Register ``handle`` (same id and lineage) in this engine.
+
+        With ``kv``: its first ``num_cached`` tokens' K/V, block by block, as :meth:`export_kv` gives
+        them (another engine of the same model). Without: recompute it from its lineage tokens.
+        """
+        if not isinstance(handle, Handle):
+            raise InvalidRequest("adopt needs a Handle with its lineage")
+        self._check_compatible(handle)
+        tokens = self._tokens(handle.token_ids(), what="lineage")
+        if len(tokens) != handle.num_tokens or not 0 <= num_cached <= len(tokens):
+            raise InvalidRequest(f"handle {handle.id} lineage does not spell its {handle.num_tokens} tokens")
+        state = KVState(id=handle.id, token_ids=tokens, blocks=[], num_cached=0, lineage=handle.lineage)
+        with self._lock:
+            if handle.id in self._states:
+                raise InvalidRequest(f"handle {handle.id} already lives in this engine")
+            self._released.pop(handle.id, None)
+        if kv is None or num_cached == 0:
+            return self._prefill_registered(state, agent)
+        try:
+            with self._lock:
+                self._reserve(state, num_cached)
+            count = 0
+            for i, (k, v) in enumerate(kv):
+                if i >= len(state.blocks):
+                    raise InvalidRequest(f"more KV blocks than {num_cached} tokens need")
+                self.pool.write_block(state.blocks[i], k.to(self.pool.device), v.to(self.pool.device))
+                count += 1
+            if count != len(state.blocks):
+                raise InvalidRequest(f"got {count} KV blocks, {num_cached} tokens need {len(state.blocks)}")
+            state.num_cached = num_cached
+            with self._lock:
+                self._cache_insert(state)
+                self._states[state.id] = state
+                return self._handle(state)
+        except BaseException:
+            with self._lock:
+                self._drop(state)
+            raise
 
     # -- tokenization ---------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -512,6 +938,8 @@ class Engine:
             cached = min(cached, keep - 1)  # the last token must run again to produce next-token logits
         blocks = parent.blocks[: -(-cached // self.block_size)] if cached > 0 else []
         self.pool.incref(blocks)
+        # Tokens computed behind approximate K/V are approximate too; behind an exact prefix they are exact.
+        approximate = parent.exact_len is not None and keep > parent.exact_len
         return KVState(
             id=new_handle_id(),
             token_ids=parent.token_ids[:keep] + list(added),
@@ -519,6 +947,8 @@ class Engine:
             num_cached=cached,
             lineage=parent.lineage + (step,),
             last_logits=logits,
+            exact_len=parent.exact_len if approximate else None,
+            cacheable=parent.cacheable,
         )
 
     def _handle(self, state: KVState) -> Handle:
@@ -532,6 +962,7 @@ class Engine:
             positions=self.positions,
             lineage=state.lineage,
             placement=self.placement,
+            exact=state.exact_len is None,
         )
 
     def _reserve(self, state: KVState, num_tokens: int) -> None:
@@ -563,20 +994,26 @@ class Engine:
         Called WITHOUT the engine lock: the work goes through the batching scheduler, chunk by
         chunk, so other requests' steps are packed into the same forwards.
         """
-        logits = state.last_logits
-        while state.num_cached < state.num_tokens:
+        logits = self._compute_until(state, state.num_tokens)
+        assert logits is not None
+        return logits
+
+    def _compute_until(self, state: KVState, until: int) -> torch.Tensor | None:
+        """Like :meth:`_compute`, for positions up to ``until`` only (None: nothing was computed)."""
+        logits = state.last_logits if until == state.num_tokens else None
+        while state.num_cached < until:
             start = state.num_cached
-            end = min(state.num_tokens, start + self.prefill_chunk)
+            end = min(until, start + self.prefill_chunk)
             logits = self.scheduler.run(Chunk(list(state.blocks), start, state.token_ids[start:end]))
             state.num_cached = end
-        state.last_logits = logits
-        assert logits is not None
+        state.last_logits = logits if until == state.num_tokens else None
         return logits
 
     def _prefill_registered(self, state: KVState, agent: str | None = None) -> Handle:
         """Prefill a new state and register it; free it again on failure. Call without the lock."""
         try:
             _check_agent(agent)
+            state.agent = agent
             with self._lock:
                 self._attach_cached(state)
                 self._reserve(state, state.num_tokens)
@@ -658,8 +1095,10 @@ class Engine:
         state.last_logits = None
 
     def _cache_insert(self, state: KVState) -> None:
-        if self.cache is not None:
-            self.cache.insert(state.token_ids, state.blocks, state.num_cached // self.block_size)
+        """Offer the state's full blocks to the prefix cache: only those whose K/V are exact."""
+        if self.cache is not None and state.cacheable:
+            exact = state.num_cached if state.exact_len is None else min(state.num_cached, state.exact_len)
+            self.cache.insert(state.token_ids, state.blocks, exact // self.block_size)
 
     def _drop(self, state: KVState) -> None:
         self.pool.decref(state.blocks)
@@ -674,6 +1113,7 @@ class Engine:
             with self._lock:
                 self._drop(state)
             raise
+        state.agent = agent
         chunks = self._decode(state, params, agent)
         next(chunks)  # run up to the sentinel so that closing the stream, even unread, frees the state
         return TokenStream(chunks)  # type: ignore[arg-type]
@@ -756,6 +1196,25 @@ class Engine:
                 tokens_generated=len(generated),
             ),
         )
+
+
+def _correction_config(value: CorrectionConfig | dict[str, Any] | None) -> CorrectionConfig | None:
+    if value is None or isinstance(value, CorrectionConfig):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidRequest("correction must be a CorrectionConfig or a mapping of its fields")
+    try:
+        return CorrectionConfig(**value)
+    except TypeError as exc:
+        raise InvalidRequest(f"invalid correction settings: {exc}") from None
+
+
+def _as_segment(part: Segment | Handle) -> Segment:
+    if isinstance(part, Segment):
+        return part
+    if isinstance(part, Handle):
+        return Segment(handle=part)
+    raise InvalidRequest(f"segments must be Segment or Handle objects, got {type(part).__name__}")
 
 
 def _check_agent(agent: str | None) -> None:

@@ -24,6 +24,7 @@ class Chunk:
     blocks: Sequence[int]
     start: int
     token_ids: Sequence[int]
+    all_logits: bool = False  # logits of every token (fidelity measurement), not just the last
 
 
 class ModelRunner:
@@ -34,18 +35,22 @@ class ModelRunner:
         self._device = loaded.device
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        """Write the chunks' K/V into the pool; return fp32 logits of each chunk's last token."""
+    def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
+        """Write the chunks' K/V into the pool; return fp32 logits per chunk: ``[vocab]`` for its last
+        token, or ``[tokens, vocab]`` when the chunk asks for all of them."""
         input_ids: list[int] = []
         positions: list[int] = []
         seqs = []
-        last: list[int] = []
+        rows: list[int] = []
+        spans: list[tuple[int, int, bool]] = []
         for chunk in chunks:
             n = len(chunk.token_ids)
             seqs.append(build_seq_attention(self.pool, list(chunk.blocks), len(input_ids), chunk.start, n))
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.start + n))
-            last.append(len(input_ids) - 1)
+            first = len(rows)
+            rows.extend(range(len(input_ids) - n, len(input_ids)) if chunk.all_logits else [len(input_ids) - 1])
+            spans.append((first, len(rows), chunk.all_logits))
         ids = torch.tensor([input_ids], dtype=torch.long, device=self._device)
         pos = torch.tensor([positions], dtype=torch.long, device=self._device)
         hidden = self._model.model(
@@ -54,6 +59,6 @@ class ModelRunner:
             use_cache=False,
             **{BATCH_KWARG: AttentionBatch(pool=self.pool, seqs=seqs)},
         ).last_hidden_state
-        # Only the last token of each chunk needs logits: skip the LM head everywhere else.
-        picked = hidden[0, torch.tensor(last, device=self._device)]
-        return self._model.lm_head(picked).float()
+        # Usually only the last token of each chunk needs logits: skip the LM head everywhere else.
+        logits = self._model.lm_head(hidden[0, torch.tensor(rows, device=self._device)]).float()
+        return [logits[a:b] if every else logits[a] for a, b, every in spans]

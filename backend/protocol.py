@@ -66,6 +66,49 @@ class ForkRequest(BaseModel):
     k: StrictInt = 2
 
 
+class TransferRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    handle: HandleRef
+    device: StrictInt | str = Field(description="Target worker: its rank, or its device name when that is unique (e.g. 'cuda:1').")
+
+
+class SegmentIn(BaseModel):
+    """Tokens ``start..end-1`` of a handle, to splice into a composed prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+    handle: HandleRef
+    start: StrictInt = Field(default=0, ge=0)
+    end: StrictInt | None = Field(default=None, ge=1)
+    slot: str | None = Field(default=None, min_length=1, max_length=256)
+
+
+class ComposeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prefix_handle: HandleRef | None = Field(default=None, description="A handle whose K/V start the prompt.")
+    prefix: ContextIn | None = Field(default=None, description="Text or token ids starting the prompt.")
+    segments: list[SegmentIn] = Field(default_factory=list, max_length=256)
+    suffix: ContextIn | None = None
+    agent: Agent | None = None
+    mode: Literal["auto", "rotate", "dense"] = "auto"
+    correction: dict[str, Any] | None = Field(default=None, description="Anchor-pool settings for this call.")
+
+
+class MergeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    parts: list[SegmentIn] = Field(min_length=1, max_length=256, description="Whole handles (no start/end/slot) "
+                                   "merge when prefix-compatible; segments are concatenated.")
+    agent: Agent | None = None
+    mode: Literal["auto", "rotate", "dense"] = "auto"
+    correction: dict[str, Any] | None = None
+
+
+class FidelityRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    handle: HandleRef
+    max_tokens: StrictInt = Field(default=32, ge=1, le=4096)
+    reference: HandleRef | None = None
+
+
 class ForkResponse(BaseModel):
     handles: list[Handle]
 

@@ -54,7 +54,7 @@ class Scheduler:
         return _Decoding(self)
 
     def run(self, chunk: Chunk) -> torch.Tensor:
-        """Compute one chunk (batched with whatever else is waiting); its last token's logits."""
+        """Compute one chunk (batched with whatever else is waiting); its logits (see ``ModelRunner.forward``)."""
         work = _Work(chunk)
         with self._cv:
             if self._closed:

@@ -16,6 +16,8 @@ class KVState:
     ``num_cached`` tokens have K/V in ``blocks``; the rest (at most the last generated token of a
     ``resume``) are computed on next use. ``last_logits`` are the next-token logits after the last
     token when known, so a state can be resumed with an empty suffix without recomputing anything.
+    From ``exact_len`` on, K/V were re-aligned or corrected rather than computed densely (and tokens
+    computed behind them inherit the approximation): such blocks never enter the prefix cache.
     """
 
     id: str
@@ -24,6 +26,9 @@ class KVState:
     num_cached: int
     lineage: tuple[LineageStep, ...]
     last_logits: torch.Tensor | None = None
+    agent: str | None = None  # the agent that produced the state: the source side of a correction edge
+    exact_len: int | None = None  # first position whose K/V is approximate (compose); None: all exact
+    cacheable: bool = True  # False for private measurement states (fidelity references) and their children
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,8 @@ import kvbaton
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kvbaton.capabilities import KVBATON as KVBATON_CAPABILITIES
+from kvbaton.capabilities import Capabilities
 from kvbaton.client import sampling_params
 from kvbaton.errors import (
     HandleNotFound,
@@ -49,7 +51,7 @@ from kvbaton.errors import (
     KvbatonError,
     PoolExhausted,
 )
-from kvbaton.handle import Handle
+from kvbaton.handle import Handle, Segment
 from kvbaton.serverconf import (
     DEFAULT_HOST,
     DEFAULT_MAX_AGENTS,
@@ -61,7 +63,7 @@ from kvbaton.serverconf import (
     check_bind,
 )
 from kvbaton.stream import TokenStream
-from kvbaton.types import Result, SamplingParams, Stats, StreamChunk
+from kvbaton.types import Composition, Fidelity, Result, SamplingParams, Stats, StreamChunk
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -86,6 +88,8 @@ STATUS_BY_CODE: dict[str, int] = {
     "handle_not_found": 404,
     "handle_released": 410,
     "incompatible_handle": 409,
+    "unsupported_positions": 409,
+    "merge_conflict": 409,
     "pool_exhausted": 503,
     "model_not_found": 404,
     "unauthorized": 401,
@@ -658,6 +662,12 @@ def create_app(
     async def health() -> p.Health:
         return p.Health(model=state.model, version=kvbaton.__version__)
 
+    @app.get("/v1/capabilities", response_model=Capabilities, tags=["server"], responses=_ERROR_RESPONSES)
+    async def capabilities() -> Capabilities:
+        """What the engine behind this server does exactly, corrects, recomputes or cannot do."""
+        describe = getattr(state.engine, "capabilities", None)
+        return describe() if describe is not None else KVBATON_CAPABILITIES
+
     @app.get("/metrics", tags=["server"], response_class=Response)
     async def metrics() -> Response:
         body = await state.run(generate_latest, state.metrics.registry)
@@ -760,6 +770,72 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         handles = await state.run(engine.fork, body.handle, body.k)
         state.record(tenant, handles)
         return p.ForkResponse(handles=handles)
+
+    @app.post("/v1/kv/transfer", response_model=Handle, **kv)
+    async def transfer(body: p.TransferRequest, request: Request) -> Handle:
+        """Move a handle's KV to another worker of a multi-device server (transfer or recompute,
+        whichever the cost model predicts cheaper); a no-op to the device it is on."""
+        tenant = _tenant(request)
+        state.check_owned(tenant, [body.handle])
+        handle = await state.run(engine.transfer, body.handle, body.device)
+        state.record(tenant, [handle])
+        return handle
+
+    def segments(parts: Sequence[p.SegmentIn]) -> list[Segment]:
+        return [
+            Segment(
+                handle=part.handle if isinstance(part.handle, Handle) else engine.describe(part.handle),
+                start=part.start, end=part.end, slot=part.slot,
+            )
+            for part in parts
+        ]
+
+    @app.post("/v1/kv/compose", response_model=Composition, **kv)
+    async def compose(body: p.ComposeRequest, request: Request) -> Composition:
+        """Assemble prefix + segments + suffix from existing K/V (exact, re-aligned, corrected or
+        recomputed per segment, as the report says)."""
+        tenant = _tenant(request)
+        if body.prefix_handle is not None and body.prefix is not None:
+            raise InvalidRequest("give prefix_handle or prefix, not both")
+        state.check_owned(tenant, [*(s.handle for s in body.segments), *([body.prefix_handle] if body.prefix_handle else [])])
+        agent = state.agent(tenant, _agent_of(request, body.agent))
+
+        def run() -> Composition:
+            prefix: Any = body.prefix
+            if body.prefix_handle is not None:
+                ref = body.prefix_handle
+                prefix = ref if isinstance(ref, Handle) else engine.describe(ref)
+            return engine.compose(
+                prefix, segments(body.segments), body.suffix, agent=agent, mode=body.mode, correction=body.correction
+            )
+
+        result = await state.run(run)
+        state.record(tenant, [result.handle])
+        return result
+
+    @app.post("/v1/kv/merge", response_model=Composition, **kv)
+    async def merge(body: p.MergeRequest, request: Request) -> Composition:
+        """Restricted merge: prefix-compatible handles, or non-overlapping segments; never blending."""
+        tenant = _tenant(request)
+        state.check_owned(tenant, [part.handle for part in body.parts])
+        agent = state.agent(tenant, _agent_of(request, body.agent))
+
+        def run() -> Composition:
+            whole = all(part.start == 0 and part.end is None and part.slot is None for part in body.parts)
+            segs = segments(body.parts)
+            parts: list[Any] = [s.handle for s in segs] if whole else segs
+            return engine.merge(parts, agent=agent, mode=body.mode, correction=body.correction)
+
+        result = await state.run(run)
+        state.record(tenant, [result.handle])
+        return result
+
+    @app.post("/v1/kv/fidelity", response_model=Fidelity, **kv)
+    async def fidelity(body: p.FidelityRequest, request: Request) -> Fidelity:
+        """Compare a handle's continuation with dense prefill of its tokens."""
+        tenant = _tenant(request)
+        state.check_owned(tenant, [body.handle, *([body.reference] if body.reference else [])])
+        return await state.run(engine.fidelity, body.handle, body.max_tokens, reference=body.reference)
 
     async def generation(
         endpoint: str, tenant: str, start: Callable[[], TokenStream], stream: bool
@@ -1266,17 +1342,31 @@ def serve(
     token: str | Sequence[str] | None = None,
     log_level: str = "info",
     engine_options: dict[str, Any] | None = None,
+    cluster_options: dict[str, Any] | None = None,
     **app_options: Any,
 ) -> None:
-    """Build the engine and run the server until interrupted. A non-loopback ``host`` needs a token."""
+    """Build the engine and run the server until interrupted. A non-loopback ``host`` needs a token.
+
+    With ``cluster_options`` (``devices``, ``world_size``...: see :class:`.cluster.Cluster`), one
+    worker process per device serves behind this server instead of an in-process engine."""
     import uvicorn
 
     from .engine import Engine
 
     tokens = [token] if isinstance(token, str) else list(token or [])
     check_bind(host, tokens)
-    engine = Engine(model, **(engine_options or {}))
-    app = create_app(engine, token=tokens or None, **app_options)
-    log.info("kvbaton %s serving %s on http://%s:%d (%s)", kvbaton.__version__, engine.loaded.name, host, port,
-             f"{len(tokens)} token(s)" if tokens else "no auth, loopback only")
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
+    if cluster_options:
+        from .cluster import Cluster
+
+        options = {k: v for k, v in (engine_options or {}).items() if k != "device"}
+        engine: Any = Cluster(model=model, engine_options=options, **cluster_options)
+    else:
+        engine = Engine(model, **(engine_options or {}))
+    try:
+        app = create_app(engine, token=tokens or None, **app_options)
+        log.info("kvbaton %s serving %s on http://%s:%d (%s)", kvbaton.__version__, engine.loaded.name, host, port,
+                 f"{len(tokens)} token(s)" if tokens else "no auth, loopback only")
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
+    finally:
+        if cluster_options:
+            engine.close()

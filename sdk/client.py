@@ -19,10 +19,11 @@ from typing import Any, Self
 from pydantic import ValidationError
 
 from .errors import InvalidRequest
-from .handle import Handle
+from .handle import Handle, Segment
 from .stream import AsyncTokenStream, TokenStream
+from .capabilities import KVBATON, Capabilities
 from .stepgraph import StepGraph
-from .types import AgentInfo, ChatMessage, Result, SamplingParams, Stats
+from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, SamplingParams, Stats
 
 HandleLike = Handle | str
 Context = str | Sequence[int]
@@ -170,6 +171,50 @@ class Client(abc.ABC):
         """Tell the backend how many steps until each agent runs (a mapping, or a step graph with
         the agents running and finished now); agents due soon are prefetched. Returns the STE map."""
 
+    def compose(
+        self,
+        prefix: Handle | Context | None = None,
+        segments: Sequence[Segment | Handle] = (),
+        suffix: Context | None = None,
+        *,
+        agent: str | None = None,
+        mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        """Assemble ``prefix + segments + suffix`` from existing KV (see docs/segments.md): each segment
+        (``handle.segment(start, end, slot=...)`` or a whole handle) is reused exactly when the tokens
+        before it match its source, else re-aligned to its new positions and corrected for the new
+        context (``mode="auto"``, gated, with dense fallback), only re-aligned (``"rotate"``), or
+        recomputed (``"dense"``). The report says per segment what happened and why; approximate
+        results have ``handle.exact == False``. ``correction`` overrides the anchor-pool settings."""
+        raise InvalidRequest(f"{type(self).__name__} does not support compose")
+
+    def merge(
+        self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        """Restricted merge: prefix-compatible handles give the longest; segments are concatenated
+        through :meth:`compose`; divergent KV of the same positions raises MergeConflict."""
+        raise InvalidRequest(f"{type(self).__name__} does not support merge")
+
+    def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
+        """Measure a (composed) handle against dense prefill of its tokens: first-token agreement,
+        greedy agreement over ``max_tokens`` tokens and mean KL of the next-token distribution."""
+        raise InvalidRequest(f"{type(self).__name__} does not support fidelity")
+
+    def transfer(self, handle: HandleLike, device: int | str) -> Handle:
+        """Move ``handle``'s KV to another device of a multi-device backend (a worker rank, or a
+        device name such as ``"cuda:1"`` when it names one worker). The backend sends the blocks
+        or recomputes them from lineage, whichever its cost model predicts faster; the returned
+        handle (same id) carries the new placement and a ``transfer`` lineage step. With a single
+        device, a transfer to that device is a no-op and any other target raises InvalidRequest."""
+        raise InvalidRequest(f"{type(self).__name__} does not support transfer")
+
+    def capabilities(self) -> Capabilities:
+        """What the engine behind this client does exactly, corrects, recomputes or cannot do
+        (kvbaton's own engine unless a client says otherwise)."""
+        return KVBATON
+
     def close(self) -> None:
         """Free the client's resources. The client is unusable afterwards."""
 
@@ -282,6 +327,40 @@ class AsyncClient(abc.ABC):
         self, steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
     ) -> dict[str, float]: ...
 
+    async def compose(
+        self,
+        prefix: Handle | Context | None = None,
+        segments: Sequence[Segment | Handle] = (),
+        suffix: Context | None = None,
+        *,
+        agent: str | None = None,
+        mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        """:meth:`Client.compose`, awaited."""
+        raise InvalidRequest(f"{type(self).__name__} does not support compose")
+
+    async def merge(
+        self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        """:meth:`Client.merge`, awaited."""
+        raise InvalidRequest(f"{type(self).__name__} does not support merge")
+
+    async def fidelity(
+        self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None
+    ) -> Fidelity:
+        """:meth:`Client.fidelity`, awaited."""
+        raise InvalidRequest(f"{type(self).__name__} does not support fidelity")
+
+    async def transfer(self, handle: HandleLike, device: int | str) -> Handle:
+        """:meth:`Client.transfer`, awaited."""
+        raise InvalidRequest(f"{type(self).__name__} does not support transfer")
+
+    async def capabilities(self) -> Capabilities:
+        """:meth:`Client.capabilities`, awaited."""
+        return KVBATON
+
     async def close(self) -> None:
         """Free the client's resources. The client is unusable afterwards."""
 
@@ -315,6 +394,22 @@ def _http_options(target: str, token: str | None, model: str | None, options: di
     return {"token": token if token is not None else os.environ.get("KVBATON_TOKEN") or None, **options}
 
 
+def _wants_sglang(target: str | None, token: str | None, options: dict[str, Any]) -> bool:
+    """``engine="sglang"`` (a name; an engine object passes through to the embedded client)."""
+    engine = options.get("engine")
+    if not isinstance(engine, str):
+        return False
+    del options["engine"]
+    if engine == "kvbaton":
+        return False
+    if engine != "sglang":
+        raise InvalidRequest(f"unknown engine {engine!r}: use 'kvbaton' (default) or 'sglang'")
+    if target not in (None, "embedded"):
+        raise InvalidRequest("engine='sglang' runs in this process; a server at a URL chose its own engine")
+    _no_token(token)
+    return True
+
+
 def connect(
     target: str | None = None, *, model: str | None = None, token: str | None = None, **options: Any
 ) -> Client:
@@ -326,7 +421,14 @@ def connect(
 
     ``connect("http://host:8470", token=...)`` talks to a ``kvbaton serve`` server instead
     (token defaults to ``$KVBATON_TOKEN``; options ``timeout``, ``connect_timeout``, ``headers``).
+
+    ``connect(engine="sglang", model="/path/to/hf-checkpoint")`` runs SGLang with the kvbaton plugin
+    in this process instead of kvbaton's engine (``pip install 'kvbaton[sglang]'``; docs/sglang.md).
     """
+    if _wants_sglang(target, token, options):
+        from .sglang_client import SglangClient
+
+        return SglangClient(model=model, **options)
     if target is None or target == "embedded":
         from .embedded import EmbeddedClient
 
@@ -347,6 +449,10 @@ async def aconnect(
     """The asynchronous :func:`connect`: ``client = await kvbaton.aconnect("http://host:8470")``.
 
     The embedded engine is built in a worker thread (loading the model blocks)."""
+    if _wants_sglang(target, token, options):
+        from .sglang_client import AsyncSglangClient
+
+        return await AsyncSglangClient.start(model, **options)
     if target is None or target == "embedded":
         from .embedded import AsyncEmbeddedClient, EmbeddedClient
 

@@ -8,11 +8,12 @@ from typing import Any
 
 import anyio
 
+from .capabilities import KVBATON, Capabilities
 from .client import AsyncClient, Client, Context, HandleLike, Messages, sampling_params, steps_map
-from .handle import Handle
+from .handle import Handle, Segment
 from .stream import AsyncTokenStream, TokenStream
 from .stepgraph import StepGraph
-from .types import AgentInfo, Result, SamplingParams, Stats
+from .types import AgentInfo, Composition, Fidelity, Result, SamplingParams, Stats
 
 
 class EmbeddedClient(Client):
@@ -33,6 +34,32 @@ class EmbeddedClient(Client):
 
     def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
         return self.engine.extend(handle, context, agent=agent)
+
+    def transfer(self, handle: HandleLike, device: int | str) -> Handle:
+        return self.engine.transfer(handle, device)
+
+    def compose(
+        self,
+        prefix: Handle | Context | None = None,
+        segments: Sequence[Segment | Handle] = (),
+        suffix: Context | None = None,
+        *,
+        agent: str | None = None,
+        mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        return self.engine.compose(
+            prefix, segments, suffix, agent=agent, mode=mode, correction=_mapping(correction)
+        )
+
+    def merge(
+        self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        return self.engine.merge(parts, agent=agent, mode=mode, correction=_mapping(correction))
+
+    def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
+        return self.engine.fidelity(handle, max_tokens, reference=reference)
 
     def resume(
         self,
@@ -108,6 +135,11 @@ class EmbeddedClient(Client):
     def stats(self) -> Stats:
         return self.engine.stats()
 
+    def capabilities(self) -> Capabilities:
+        # An engine other than kvbaton's own (the SGLang one) describes itself.
+        describe = getattr(self.engine, "capabilities", None)
+        return describe() if describe is not None else KVBATON
+
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text)
 
@@ -167,6 +199,34 @@ class AsyncEmbeddedClient(AsyncClient):
 
     async def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
         return await asyncio.to_thread(self.client.extend, handle, context, agent=agent)
+
+    async def transfer(self, handle: HandleLike, device: int | str) -> Handle:
+        return await asyncio.to_thread(self.client.transfer, handle, device)
+
+    async def compose(
+        self,
+        prefix: Handle | Context | None = None,
+        segments: Sequence[Segment | Handle] = (),
+        suffix: Context | None = None,
+        *,
+        agent: str | None = None,
+        mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        return await asyncio.to_thread(
+            self.client.compose, prefix, segments, suffix, agent=agent, mode=mode, correction=correction
+        )
+
+    async def merge(
+        self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        return await asyncio.to_thread(self.client.merge, parts, agent=agent, mode=mode, correction=correction)
+
+    async def fidelity(
+        self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None
+    ) -> Fidelity:
+        return await asyncio.to_thread(self.client.fidelity, handle, max_tokens, reference=reference)
 
     async def resume(
         self,
@@ -242,6 +302,9 @@ class AsyncEmbeddedClient(AsyncClient):
     async def stats(self) -> Stats:
         return await asyncio.to_thread(self.client.stats)
 
+    async def capabilities(self) -> Capabilities:
+        return self.client.capabilities()
+
     async def tokenize(self, text: str) -> list[int]:
         return await asyncio.to_thread(self.client.tokenize, text)
 
@@ -271,3 +334,7 @@ class AsyncEmbeddedClient(AsyncClient):
 
     async def close(self) -> None:
         self.client.close()
+
+
+def _mapping(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if value is None else dict(value)

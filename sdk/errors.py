@@ -51,6 +51,19 @@ class IncompatibleHandle(KvbatonError):
     code = "incompatible_handle"
 
 
+class UnsupportedPositions(IncompatibleHandle):
+    """Cached keys cannot be moved to other positions exactly under this model's RoPE variant
+    (dynamic NTK, YaRN, LongRoPE...); the segment must be recomputed instead."""
+
+    code = "unsupported_positions"
+
+
+class MergeConflict(InvalidRequest):
+    """A merge would place two different KV states at the same positions; kvbaton never blends them."""
+
+    code = "merge_conflict"
+
+
 class PoolExhausted(KvbatonError):
     """The KV block pool has no room for the request; release handles or raise the budget."""
 
@@ -96,6 +109,8 @@ ERRORS_BY_CODE: dict[str, type[KvbatonError]] = {
         HandleNotFound,
         HandleReleased,
         IncompatibleHandle,
+        UnsupportedPositions,
+        MergeConflict,
         PoolExhausted,
         ModelNotFound,
         PayloadTooLarge,

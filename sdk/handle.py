@@ -23,6 +23,8 @@ class Op(str, Enum):
     EXTEND = "extend"
     RESUME = "resume"
     GENERATE = "generate"
+    COMPOSE = "compose"
+    TRANSFER = "transfer"  # moved to another worker; tokens unchanged
 
 
 class LineageStep(BaseModel):
@@ -58,6 +60,7 @@ class Placement(BaseModel):
 
     device: str
     tier: str = "device"
+    worker: int | None = Field(default=None, description="Worker rank holding the blocks (multi-device servers).")
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -87,6 +90,16 @@ class Handle(BaseModel):
     positions: Positions
     lineage: tuple[LineageStep, ...] = ()
     placement: Placement
+    exact: bool = Field(
+        default=True,
+        description="False when part of the KV was re-aligned or corrected (compose) instead of computed "
+        "densely; such state is never shared through the prefix cache, and recomputing it from its "
+        "lineage gives the dense (exact) KV.",
+    )
+
+    def segment(self, start: int = 0, end: int | None = None, *, slot: str | None = None) -> Segment:
+        """Tokens ``start..end-1`` of this handle as a segment to splice into another prompt (compose)."""
+        return Segment(handle=self, start=start, end=end, slot=slot)
 
     def token_ids(self) -> list[int]:
         """The token ids this handle covers, rebuilt from its lineage."""
@@ -101,3 +114,22 @@ class Handle(BaseModel):
         return f"Handle(id={self.id[:8]}…, model={self.model!r}, num_tokens={self.num_tokens})"
 
     __str__ = __repr__
+
+
+class Segment(BaseModel):
+    """A token range of a handle, spliced into another prompt by ``compose`` at whatever position it lands.
+
+    ``slot`` names the role the segment plays (``"task"``, ``"document"``, ``"planner_output"``...):
+    corrections learned for one slot are only applied to segments of the same slot.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    handle: Handle
+    start: int = Field(default=0, ge=0)
+    end: int | None = Field(default=None, ge=1)
+    slot: str | None = Field(default=None, min_length=1, max_length=256)
+
+    def bounds(self) -> tuple[int, int]:
+        """``(start, end)`` with ``end`` resolved against the handle's length."""
+        return self.start, self.handle.num_tokens if self.end is None else self.end

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from .capabilities import Capabilities
 from .client import AsyncClient, Client, Context, HandleLike, Messages, sampling_params, steps_map
 from .errors import (
     InvalidRequest,
@@ -26,10 +27,10 @@ from .errors import (
     Unauthorized,
     error_from_code,
 )
-from .handle import Handle
+from .handle import Handle, Segment
 from .stream import AsyncTokenStream, TokenStream
 from .stepgraph import StepGraph
-from .types import AgentInfo, ChatMessage, Result, SamplingParams, Stats, StreamChunk
+from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, SamplingParams, Stats, StreamChunk
 
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -95,6 +96,36 @@ def _handle_ref(handle: HandleLike) -> Any:
     if isinstance(handle, str):
         return handle
     raise InvalidRequest(f"expected a Handle or a handle id, got {type(handle).__name__}")
+
+
+def _segments(parts: Sequence[Segment | Handle]) -> list[dict[str, Any]]:
+    out = []
+    for part in parts:
+        if isinstance(part, Handle):
+            out.append({"handle": _handle_ref(part)})
+        elif isinstance(part, Segment):
+            out.append({"handle": _handle_ref(part.handle), "start": part.start, "end": part.end, "slot": part.slot})
+        else:
+            raise InvalidRequest(f"segments must be Segment or Handle objects, got {type(part).__name__}")
+    return out
+
+
+def _opt_mapping(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if value is None else dict(value)
+
+
+def _compose_body(
+    prefix: Handle | Context | None, segments: Sequence[Segment | Handle], suffix: Context | None,
+    agent: str | None, mode: str, correction: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"segments": _segments(segments), "mode": mode, "correction": _opt_mapping(correction)}
+    if isinstance(prefix, Handle):
+        body["prefix_handle"] = _handle_ref(prefix)
+    elif prefix is not None:
+        body["prefix"] = _context(prefix, "prefix")
+    if suffix is not None:
+        body["suffix"] = _context(suffix, "suffix")
+    return _tagged(body, agent)
 
 
 def _handle_refs(handles: HandleLike | Iterable[HandleLike]) -> list[Any]:
@@ -279,9 +310,39 @@ class HttpClient(Client):
         out = self._request("POST", "/v1/kv/fork", {"handle": _handle_ref(handle), "k": k})
         return [Handle.model_validate(h) for h in out["handles"]]
 
+    def transfer(self, handle: HandleLike, device: int | str) -> Handle:
+        return Handle.model_validate(
+            self._request("POST", "/v1/kv/transfer", {"handle": _handle_ref(handle), "device": device})
+        )
+
     def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
         body = _tagged({"handle": _handle_ref(handle), "context": _context(context, "context")}, agent)
         return Handle.model_validate(self._request("POST", "/v1/kv/extend", body))
+
+    def compose(
+        self,
+        prefix: Handle | Context | None = None,
+        segments: Sequence[Segment | Handle] = (),
+        suffix: Context | None = None,
+        *,
+        agent: str | None = None,
+        mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        body = _compose_body(prefix, segments, suffix, agent, mode, correction)
+        return Composition.model_validate(self._request("POST", "/v1/kv/compose", body))
+
+    def merge(
+        self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        body = _tagged({"parts": _segments(parts), "mode": mode, "correction": _opt_mapping(correction)}, agent)
+        return Composition.model_validate(self._request("POST", "/v1/kv/merge", body))
+
+    def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
+        body = {"handle": _handle_ref(handle), "max_tokens": max_tokens,
+                "reference": None if reference is None else _handle_ref(reference)}
+        return Fidelity.model_validate(self._request("POST", "/v1/kv/fidelity", body))
 
     def resume(
         self,
@@ -357,6 +418,9 @@ class HttpClient(Client):
 
     def stats(self) -> Stats:
         return Stats.model_validate(self._request("GET", "/v1/kv/stats"))
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities.model_validate(self._request("GET", "/v1/capabilities"))
 
     def tokenize(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -463,9 +527,41 @@ class AsyncHttpClient(AsyncClient):
         out = await self._request("POST", "/v1/kv/fork", {"handle": _handle_ref(handle), "k": k})
         return [Handle.model_validate(h) for h in out["handles"]]
 
+    async def transfer(self, handle: HandleLike, device: int | str) -> Handle:
+        return Handle.model_validate(
+            await self._request("POST", "/v1/kv/transfer", {"handle": _handle_ref(handle), "device": device})
+        )
+
     async def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
         body = _tagged({"handle": _handle_ref(handle), "context": _context(context, "context")}, agent)
         return Handle.model_validate(await self._request("POST", "/v1/kv/extend", body))
+
+    async def compose(
+        self,
+        prefix: Handle | Context | None = None,
+        segments: Sequence[Segment | Handle] = (),
+        suffix: Context | None = None,
+        *,
+        agent: str | None = None,
+        mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        body = _compose_body(prefix, segments, suffix, agent, mode, correction)
+        return Composition.model_validate(await self._request("POST", "/v1/kv/compose", body))
+
+    async def merge(
+        self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+        correction: Mapping[str, Any] | None = None,
+    ) -> Composition:
+        body = _tagged({"parts": _segments(parts), "mode": mode, "correction": _opt_mapping(correction)}, agent)
+        return Composition.model_validate(await self._request("POST", "/v1/kv/merge", body))
+
+    async def fidelity(
+        self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None
+    ) -> Fidelity:
+        body = {"handle": _handle_ref(handle), "max_tokens": max_tokens,
+                "reference": None if reference is None else _handle_ref(reference)}
+        return Fidelity.model_validate(await self._request("POST", "/v1/kv/fidelity", body))
 
     async def resume(
         self,
@@ -541,6 +637,9 @@ class AsyncHttpClient(AsyncClient):
 
     async def stats(self) -> Stats:
         return Stats.model_validate(await self._request("GET", "/v1/kv/stats"))
+
+    async def capabilities(self) -> Capabilities:
+        return Capabilities.model_validate(await self._request("GET", "/v1/capabilities"))
 
     async def tokenize(self, text: str) -> list[int]:
         if not isinstance(text, str):

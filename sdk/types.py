@@ -115,6 +115,48 @@ class CacheStats(BaseModel):
     steps_to_execution: dict[str, float]
 
 
+class PlacementDecision(BaseModel):
+    """How a handle reached another worker: KV transfer or recompute from lineage, predicted vs measured."""
+
+    handle: str
+    src: int | None = Field(description="Worker the handle lived on; None when that worker was lost.")
+    dst: int
+    reason: str = Field(description="'explicit' (transfer call), 'balance' (queue lengths) or 'lost' (worker died).")
+    tokens: int
+    bytes: int
+    predicted_transfer_s: float | None
+    predicted_recompute_s: float
+    choice: str = Field(description="'transfer' or 'recompute'.")
+    actual_s: float
+
+
+class WorkerStats(BaseModel):
+    """One worker of a multi-device server."""
+
+    rank: int
+    device: str
+    alive: bool
+    pid: int | None = None
+    host: str | None = None
+    queue: int = Field(description="Requests in flight on the worker.")
+    handles: int = Field(description="Live handles the coordinator has placed on the worker.")
+    prefill_tokens_per_s: float | None = None
+    stats: Stats | None = Field(default=None, description="The worker engine's own stats (None when it is down).")
+
+
+class ClusterStats(BaseModel):
+    """Coordinator view of a multi-device server: workers, link calibration and placement decisions."""
+
+    workers: list[WorkerStats]
+    bandwidth_bytes_per_s: float | None
+    latency_s: float | None
+    bandwidth_cap_bytes_per_s: float | None = None
+    transfers: int = 0
+    recomputes: int = 0
+    retries: int = Field(default=0, description="Requests re-run on another worker after their worker died.")
+    decisions: list[PlacementDecision] = Field(default_factory=list, description="The most recent decisions.")
+
+
 class Stats(BaseModel):
     """Pool and reuse counters of one engine."""
 
@@ -138,3 +180,51 @@ class Stats(BaseModel):
     tokens_generated: int
     cache: CacheStats | None = None
     agents: dict[str, AgentStats] = Field(default_factory=dict)
+    cluster: ClusterStats | None = Field(default=None, description="Multi-device servers only: per-worker view.")
+
+
+class SegmentReport(BaseModel):
+    """What ``compose`` did with one segment, and why."""
+
+    index: int
+    source: str = Field(description="Id of the handle the segment came from.")
+    start: int = Field(description="First token of the segment in its source handle.")
+    end: int
+    offset: int = Field(description="Position of the segment's first token in the composed prompt.")
+    outcome: Literal["exact", "rotated", "corrected", "recomputed"] = Field(
+        description="exact: same tokens before it, KV reused as is; rotated: keys re-aligned to the new "
+        "positions, no correction; corrected: re-aligned plus a low-rank estimate of the context deviation; "
+        "recomputed: prefilled densely behind the new prefix."
+    )
+    reason: str
+    tokens_reused: int = Field(description="Tokens whose K/V came from the source instead of a prefill.")
+    anchors: int = Field(default=0, description="Anchors in the slot's pool when the decision was made.")
+    entropy: float | None = Field(default=None, description="Normalized entropy of the anchor weights.")
+
+
+class Composition(BaseModel):
+    """The result of ``compose`` / ``merge``: a handle to the assembled prompt and a per-segment report."""
+
+    handle: Handle
+    segments: list[SegmentReport]
+    exact: bool = Field(description="True when every token's K/V equals dense prefill of the same prompt.")
+    tokens_reused: int
+    tokens_prefilled: int
+    compose_s: float = Field(description="Wall time of the composition, prefill of the remainder included.")
+
+
+class Fidelity(BaseModel):
+    """How closely a handle's KV reproduces dense prefill of its tokens (measured on demand)."""
+
+    tokens: int = Field(description="Greedy tokens compared.")
+    first_token_agrees: bool
+    greedy_agreement: float = Field(
+        description="Share of the greedy continuation identical to dense prefill's before the first divergence."
+    )
+    kl_mean: float = Field(
+        description="Mean KL(dense || handle) of the next-token distributions along dense prefill's greedy "
+        "continuation (nats)."
+    )
+    kl_first: float = Field(description="KL of the first next-token distribution (nats).")
+    dense_token_ids: list[int]
+    handle_token_ids: list[int]

@@ -1,0 +1,219 @@
+"""Correction of a shared segment's context deviation (KVCOMM / KVCMAS-style anchor pools).
+
+The same segment behind two different prefixes has different K/V in every layer but the first: its
+tokens attended to different context. For a segment that appears behind agent B's prefix, with a
+*reference* K/V at hand (chained: the source agent A's exact cache of the segment; non-chained: the
+segment prefilled on its own), the K/V behind B's prefix is estimated as
+
+    reference + sum_i w_i * delta_i,   w = softmax(-(d_i / min_j d_j - 1) / temperature)
+
+where each anchor i is an earlier segment of the same slot and edge with its reference and the
+observed ``delta_i = dense - reference``, and ``d_i`` is the distance between the new reference and
+anchor i's. Layer 0 gets no delta: its K/V depend only on the token and its position.
+
+The gate decides between correcting and prefilling densely: fewer than ``min_anchors`` anchors, a
+best anchor farther than ``max_distance``, or weights whose normalized entropy exceeds
+``entropy_threshold`` (no anchor clearly matches) mean dense prefill, whose exact result then becomes
+a new anchor. The pool of each key is bounded; the least used of the oldest anchors leave first.
+
+Anchors are stored as low-rank factors (``torch.svd_lowrank``, rank 32 by default: the deltas have an
+effective rank well below the 192 dimensions of a layer's K or V), or full-dimensional for the KVCOMM
+ablation. Everything here works on *canonical* tensors: one matrix ``[tokens, kv_heads * head_dim]``
+per (layer >= 1, K or V), keys re-aligned to start at position 0, stacked as ``[matrices, tokens, dims]``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from kvbaton.errors import InvalidRequest
+
+Method = Literal["lowrank", "full"]
+_DISTANCE_ROWS = 256  # token rows sampled to compare references: plenty to rank anchors, cheap at 4K tokens
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """Anchor-pool settings. ``chained=True`` uses the source agent's cache as the reference (KVCMAS);
+    ``False`` prefills the segment on its own as reference (KVCOMM's context-free base)."""
+
+    method: Method = "lowrank"
+    chained: bool = True
+    rank: int = 32
+    pool_size: int = 10
+    min_anchors: int = 2
+    entropy_threshold: float = 0.5
+    temperature: float = 0.1
+    max_distance: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("lowrank", "full"):
+            raise InvalidRequest(f"correction method must be 'lowrank' or 'full', got {self.method!r}")
+        if self.rank < 1 or self.pool_size < 1 or self.min_anchors < 1:
+            raise InvalidRequest("rank, pool_size and min_anchors must be positive")
+        if not 0 <= self.entropy_threshold <= 1 or self.temperature <= 0 or self.max_distance <= 0:
+            raise InvalidRequest("entropy_threshold must be in [0, 1]; temperature and max_distance > 0")
+
+
+class Factors:
+    """A stack of matrices ``[m, n, d]``, kept whole or as rank-``r`` factors ``left @ right^T``."""
+
+    def __init__(self, x: torch.Tensor, rank: int | None) -> None:
+        self.tokens = x.shape[1]
+        if rank is None or rank >= min(x.shape[1], x.shape[2]):
+            self.full: torch.Tensor | None = x.clone()
+            self.left = self.right = None
+        else:
+            u, s, v = torch.svd_lowrank(x.float(), q=rank, niter=2)
+            self.full = None
+            self.left = (u * s[:, None, :]).to(x.dtype)  # [m, n, r]
+            self.right = v.to(x.dtype)  # [m, d, r]
+
+    def rows(self, index: torch.Tensor | slice) -> torch.Tensor:
+        """The reconstructed rows ``index`` of every matrix: ``[m, len(index), d]``."""
+        if self.full is not None:
+            return self.full[:, index]
+        assert self.left is not None and self.right is not None
+        return torch.bmm(self.left[:, index], self.right.transpose(1, 2))
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.full] if self.full is not None else [self.left, self.right]
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+
+
+@dataclass(eq=False)
+class Anchor:
+    reference: Factors
+    delta: Factors
+    serial: int
+    uses: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.reference.tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.reference.nbytes + self.delta.nbytes
+
+
+@dataclass
+class Estimate:
+    """The gate's decision for one segment: ``delta`` covers its first ``tokens`` tokens, or is None."""
+
+    delta: torch.Tensor | None
+    tokens: int
+    anchors: int
+    entropy: float | None
+    reason: str
+
+
+@dataclass
+class AnchorPool:
+    """Bounded anchor pools, one per key (slot, edge)."""
+
+    config: CorrectionConfig = field(default_factory=CorrectionConfig)
+    _pools: dict[Hashable, list[Anchor]] = field(default_factory=dict)
+    _serial: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def estimate(self, key: Hashable, reference: torch.Tensor) -> Estimate:
+        """Decide whether to correct a segment with canonical ``reference`` ``[m, n, d]``."""
+        cfg = self.config
+        with self._lock:
+            anchors = list(self._pools.get(key, ()))
+        if len(anchors) < cfg.min_anchors:
+            return Estimate(None, 0, len(anchors), None, f"{len(anchors)} anchor(s) for this slot and edge, "
+                            f"{cfg.min_anchors} needed")
+        n = reference.shape[1]
+        dist = torch.tensor([_distance(reference, a) for a in anchors], dtype=torch.float64)
+        best = float(dist.min())
+        if best > cfg.max_distance:
+            return Estimate(None, 0, len(anchors), None,
+                            f"nearest anchor too far (relative distance {best:.3f} > {cfg.max_distance})")
+        weights = torch.softmax(-(dist / max(best, 1e-12) - 1.0) / cfg.temperature, dim=0)
+        entropy = _normalized_entropy(weights)
+        if entropy > cfg.entropy_threshold:
+            return Estimate(None, 0, len(anchors), entropy,
+                            f"ambiguous anchors (weight entropy {entropy:.2f} > {cfg.entropy_threshold})")
+        picked = [(float(w), a) for w, a in zip(weights, anchors, strict=True) if w >= 0.01]
+        total = sum(w for w, _ in picked)
+        covered = min(n, *(a.tokens for _, a in picked))
+        delta = torch.zeros_like(reference[:, :covered])
+        for w, anchor in picked:
+            delta += (w / total) * anchor.delta.rows(slice(0, covered)).to(delta.dtype)
+            anchor.uses += 1
+        return Estimate(delta, covered, len(anchors), entropy, f"{len(picked)} anchor(s), weight entropy {entropy:.2f}")
+
+    def add(self, key: Hashable, reference: torch.Tensor, exact: torch.Tensor) -> None:
+        """Store a densely computed segment as a new anchor of ``key`` (canonical tensors)."""
+        cfg = self.config
+        rank = cfg.rank if cfg.method == "lowrank" else None
+        anchor_ref = Factors(reference, rank)
+        anchor_delta = Factors(exact - reference, rank)
+        with self._lock:
+            self._serial += 1
+            pool = self._pools.setdefault(key, [])
+            pool.append(Anchor(anchor_ref, anchor_delta, self._serial))
+            if len(pool) > cfg.pool_size:
+                # The least used among the older half leaves: new anchors get a chance to prove useful.
+                older = sorted(pool, key=lambda a: a.serial)[: max(1, len(pool) // 2)]
+                pool.remove(min(older, key=lambda a: (a.uses, a.serial)))
+
+    def anchors(self, key: Hashable) -> int:
+        with self._lock:
+            return len(self._pools.get(key, ()))
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(a.nbytes for pool in self._pools.values() for a in pool)
+
+    @property
+    def num_anchors(self) -> int:
+        with self._lock:
+            return sum(len(pool) for pool in self._pools.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pools.clear()
+
+
+def _distance(reference: torch.Tensor, anchor: Anchor) -> float:
+    """Relative squared distance between two references over their common tokens (sampled rows)."""
+    m = min(reference.shape[1], anchor.tokens)
+    step = max(1, m // _DISTANCE_ROWS)
+    rows = torch.arange(0, m, step, device=reference.device)
+    ours = reference[:, rows].float()
+    theirs = anchor.reference.rows(rows).float()
+    return float((ours - theirs).pow(2).sum() / ours.pow(2).sum().clamp_min(1e-12))
+
+
+def _normalized_entropy(weights: torch.Tensor) -> float:
+    if len(weights) < 2:
+        return 0.0
+    w = weights.clamp_min(1e-30)
+    return float(-(w * w.log()).sum() / math.log(len(weights)))
+
+
+def to_canonical(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Layers 1.. of K and V (``[layers, kv_heads, tokens, head_dim]``) as ``[2*(layers-1), tokens, dims]``."""
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        layers, heads, tokens, dim = x[1:].shape
+        return x[1:].permute(0, 2, 1, 3).reshape(layers, tokens, heads * dim)
+
+    return torch.cat((flat(k), flat(v)), dim=0).float()
+
+
+def from_canonical(c: torch.Tensor, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`to_canonical`: K and V of layers 1.. as ``[layers-1, kv_heads, tokens, head_dim]``."""
+    layers = c.shape[0] // 2
+    tokens = c.shape[1]
+    x = c.reshape(2, layers, tokens, heads, dim).permute(0, 1, 3, 2, 4)
+    return x[0], x[1]

@@ -1,0 +1,193 @@
+"""Shared segments behind different prefixes: re-alignment, correction, composition, restricted merge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import dense_greedy
+
+import kvbaton
+from kvbaton.backend.correction import AnchorPool, CorrectionConfig
+from kvbaton.backend.rotary import check_shiftable
+from kvbaton.bench.corpus import document
+from kvbaton.errors import IncompatibleHandle, InvalidRequest, MergeConflict, UnsupportedPositions
+
+SYSTEM_A = "You are a careful planner. Read the notes and make a numbered plan."
+SYSTEM_B = "You are a strict reviewer. Point out risks and missing owners in the notes."
+QUESTION = "<|im_start|>user\nWhat is the most important risk?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def system(engine, text: str) -> list[int]:
+    return engine.chat_tokens([{"role": "system", "content": text}], add_generation_prompt=False)
+
+
+def shared_doc(engine, seed: int, n: int = 160) -> list[int]:
+    return engine.tokenize("<|im_start|>user\n" + document(n, seed=seed))[:n]
+
+
+def rows(engine, handle, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Test-only peek at a handle's K/V rows (every layer)."""
+    return engine._read_rows(engine._states[handle.id], start, n)
+
+
+def greedy(engine, handle, n: int = 8) -> list[int]:
+    result = engine.resume(handle, "", kvbaton.SamplingParams(max_tokens=n, ignore_eos=True))
+    engine.release(result.handle)
+    return result.token_ids
+
+
+def test_rotation_moves_keys_exactly_at_layer_zero(engine):
+    sys_a, sys_b, doc = system(engine, SYSTEM_A), system(engine, SYSTEM_B), shared_doc(engine, 1)
+    assert len(sys_a) != len(sys_b)  # so the segment really moves
+    source = engine.materialize(sys_a + doc)
+    composed = engine.compose(sys_b, [source.segment(len(sys_a), len(sys_a) + len(doc))], mode="rotate")
+    dense = engine.materialize(sys_b + doc)
+    k, v = rows(engine, composed.handle, len(sys_b), len(doc))
+    k_ref, v_ref = rows(engine, dense, len(sys_b), len(doc))
+    torch.testing.assert_close(k[0], k_ref[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(v[0], v_ref[0], atol=1e-5, rtol=0)
+    assert composed.segments[0].outcome == "rotated"
+    assert not composed.exact and not composed.handle.exact
+
+
+def test_segment_at_the_prompt_start_is_exact_through_the_whole_model(engine, reference):
+    doc = shared_doc(engine, 2)
+    alone = engine.materialize(doc)
+    suffix = engine.tokenize(QUESTION)
+    composed = engine.compose(segments=[alone.segment(0, len(doc))], suffix=suffix)
+    assert composed.exact and composed.segments[0].outcome == "exact"
+    assert composed.tokens_reused >= len(doc)
+    expected, _ = dense_greedy(reference, doc + suffix, 8)
+    assert greedy(engine, composed.handle) == expected
+
+
+def test_every_segment_forced_dense_equals_dense_prefill(engine, reference):
+    sys_a, sys_b = system(engine, SYSTEM_A), system(engine, SYSTEM_B)
+    doc1, doc2 = shared_doc(engine, 3, 96), shared_doc(engine, 4, 64)
+    a = engine.materialize(sys_a + doc1 + doc2)
+    suffix = engine.tokenize(QUESTION)
+    composed = engine.compose(
+        sys_b,
+        [a.segment(len(sys_a), len(sys_a) + len(doc1)), a.segment(len(sys_a) + len(doc1), len(sys_a) + len(doc1) + len(doc2))],
+        suffix,
+        mode="dense",
+    )
+    assert composed.exact and composed.handle.exact
+    assert [s.outcome for s in composed.segments] == ["recomputed", "recomputed"]
+    assert composed.handle.token_ids() == sys_b + doc1 + doc2 + suffix
+    expected, _ = dense_greedy(reference, sys_b + doc1 + doc2 + suffix, 8)
+    assert greedy(engine, composed.handle) == expected
+
+
+def test_gate_falls_back_to_dense_until_two_anchors_then_corrects(engine):
+    sys_a, sys_b = system(engine, SYSTEM_A), system(engine, SYSTEM_B)
+    cfg = {"entropy_threshold": 1.0, "max_distance": 100.0}  # accept any match once two anchors exist
+    outcomes = []
+    for seed in range(3):
+        doc = shared_doc(engine, 10 + seed, 64)
+        a = engine.materialize(sys_a + doc, agent="planner")
+        out = engine.compose(
+            sys_b, [a.segment(len(sys_a), len(sys_a) + len(doc), slot="notes")], agent="reviewer", correction=cfg
+        )
+        outcomes.append((out.segments[0].outcome, out.segments[0].anchors, out.exact))
+    assert outcomes[0] == ("recomputed", 0, True)
+    assert outcomes[1] == ("recomputed", 1, True)
+    assert outcomes[2][:2] == ("corrected", 2) and outcomes[2][2] is False
+    assert engine.anchor_pool(cfg).num_anchors == 2  # accepted corrections are not added back
+
+
+def test_fallback_reports_why(engine):
+    sys_a, sys_b, doc = system(engine, SYSTEM_A), system(engine, SYSTEM_B), shared_doc(engine, 5, 48)
+    a = engine.materialize(sys_a + doc)
+    out = engine.compose(sys_b, [a.segment(len(sys_a), len(sys_a) + len(doc))])
+    assert out.segments[0].outcome == "recomputed"
+    assert "2 needed" in out.segments[0].reason
+
+
+def test_anchor_pool_stays_bounded():
+    pool = AnchorPool(CorrectionConfig(pool_size=3, rank=4))
+    for i in range(10):
+        ref = torch.randn(4, 20 + i, 16)
+        pool.add("slot", ref, ref + 0.1 * torch.randn_like(ref))
+    assert pool.anchors("slot") == 3 and pool.num_anchors == 3
+    full = AnchorPool(CorrectionConfig(pool_size=3, method="full"))
+    ref = torch.randn(4, 512, 192)
+    full.add("slot", ref, ref + 1)
+    pool = AnchorPool(CorrectionConfig(pool_size=3, rank=32))
+    pool.add("slot", ref, ref + 1)
+    assert full.nbytes > 3.7 * pool.nbytes  # low rank: the pool stops scaling with full dimensions
+
+
+def test_approximate_kv_never_reaches_the_prefix_cache(engine, reference):
+    sys_a, sys_b, doc = system(engine, SYSTEM_A), system(engine, SYSTEM_B), shared_doc(engine, 6, 128)
+    suffix = engine.tokenize(QUESTION)
+    a = engine.materialize(sys_a + doc)
+    composed = engine.compose(sys_b, [a.segment(len(sys_a), len(sys_a) + len(doc))], suffix, mode="rotate")
+    greedy(engine, composed.handle)  # resuming an approximate handle must not publish its blocks either
+    fresh = engine.materialize(sys_b + doc + suffix)
+    assert fresh.exact
+    expected, _ = dense_greedy(reference, sys_b + doc + suffix, 8)
+    assert greedy(engine, fresh) == expected
+    child = engine.resume(composed.handle, "", kvbaton.SamplingParams(max_tokens=2)).handle
+    assert not child.exact  # tokens computed behind approximate K/V stay flagged
+
+
+def test_fidelity_of_exact_and_rotated_handles(engine):
+    sys_a, sys_b, doc = system(engine, SYSTEM_A), system(engine, SYSTEM_B), shared_doc(engine, 7, 96)
+    suffix = engine.tokenize(QUESTION)
+    dense = engine.materialize(sys_b + doc + suffix)
+    same = engine.fidelity(dense, 6)
+    assert same.first_token_agrees and same.greedy_agreement == 1.0 and abs(same.kl_mean) < 1e-4
+    a = engine.materialize(sys_a + doc)
+    rotated = engine.compose(sys_b, [a.segment(len(sys_a), len(sys_a) + len(doc))], suffix, mode="rotate")
+    report = engine.fidelity(rotated.handle, 6, reference=dense)
+    assert 0 <= report.greedy_agreement <= 1 and report.kl_mean >= 0 and len(report.dense_token_ids) == 6
+    assert report.dense_token_ids == same.dense_token_ids
+
+
+def test_restricted_merge(engine):
+    doc = shared_doc(engine, 8, 64)
+    short = engine.materialize(doc[:32])
+    long = engine.extend(short, doc[32:])
+    merged = engine.merge([long, short])
+    assert merged.exact and merged.handle.token_ids() == doc and merged.tokens_prefilled == 0
+    other = engine.materialize(doc[:16] + engine.tokenize(" something else entirely"))
+    with pytest.raises(MergeConflict):
+        engine.merge([long, other])
+    with pytest.raises(MergeConflict):
+        engine.merge([long.segment(0, 40), long.segment(30, 64)])
+    concat = engine.merge([long.segment(32, 64), long.segment(0, 32)], mode="dense")
+    assert concat.handle.token_ids() == doc[32:] + doc[:32]
+
+
+def test_typed_errors(engine):
+    doc = shared_doc(engine, 9, 32)
+    h = engine.materialize(doc)
+    foreign = h.model_copy(update={"model_fingerprint": "0" * 16})
+    with pytest.raises(IncompatibleHandle):
+        engine.compose(segments=[foreign.segment(0, 8)])
+    with pytest.raises(InvalidRequest):
+        engine.compose(segments=[h.segment(0, 64)])  # past the end
+    with pytest.raises(InvalidRequest):
+        engine.compose()
+    with pytest.raises(InvalidRequest):
+        engine.compose(segments=[h], mode="blend")
+    with pytest.raises(InvalidRequest):
+        engine.compose(segments=[h], correction={"rank": 0})
+    for rope in ("dynamic", "yarn", "longrope"):
+        with pytest.raises(UnsupportedPositions):
+            check_shiftable(rope)
+    check_shiftable("llama3")
+
+
+def test_compose_over_http(server):
+    with kvbaton.connect(server.url, timeout=120) as client:
+        a = client.materialize("Notes: the blue team shipped the parser. ")
+        seg = a.segment(2, a.num_tokens, slot="notes")
+        out = client.compose("You review. ", [seg], " Verdict:", mode="rotate")
+        assert out.segments[0].outcome == "rotated" and not out.handle.exact
+        fid = client.fidelity(out.handle, 4)
+        assert len(fid.dense_token_ids) == 4
+        with pytest.raises(MergeConflict):
+            client.merge([a.segment(0, 4), a.segment(2, 6)])
+        client.release([a, out.handle])
