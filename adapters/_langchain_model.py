@@ -95,12 +95,29 @@ def leading_system(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def engine_supports(client: Any, feature: str) -> bool:
+    """Whether the engine behind ``client`` reports ``feature`` (a :class:`kvbaton.Capabilities`
+    field; "exact"/"corrected" levels count as support). Clients that do not say are assumed able."""
+    describe = getattr(client, "capabilities", None)
+    try:
+        caps = describe() if describe is not None else None
+    except Exception:  # noqa: BLE001 - e.g. a server older than the endpoint: assume it can
+        return True
+    if inspect.isawaitable(caps):  # an async client: not worth a round trip here
+        caps.close()
+        return True
+    value = getattr(caps, feature, True)
+    return value in ("exact", "corrected") if isinstance(value, str) else bool(value)
+
+
 def register_fixed_prompt(client: Any, agent: str | None, messages: Sequence[dict[str, Any]]) -> None:
     """Register ``agent``'s fixed prompt (its leading system messages) with ``client``, once."""
     if not agent or client is None or not hasattr(client, "register_agent"):
         return
     fixed = leading_system(messages)
     if not fixed or not _claim_registration(client, agent):
+        return
+    if not engine_supports(client, "workflow_eviction"):  # asked once per agent, after the claim
         return
     try:
         client.register_agent(agent, fixed)

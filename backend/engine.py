@@ -428,6 +428,9 @@ class Engine:
                 self.cache.close()
             for state in list(self._states.values()):
                 self._drop(state)
+            pools = list(self._anchor_pools.values())
+        for pool in pools:
+            pool.close()
         self.scheduler.close()
 
     # -- composition of shared segments (re-alignment, correction, restricted merge) ------------------
@@ -623,7 +626,7 @@ class Engine:
         agree = common_prefix_length(ours.token_ids, dense_tokens)
         return Fidelity(
             tokens=max_tokens,
-            first_token_agrees=bool(ours.token_ids[:1] == theirs.token_ids[:1]),
+            first_token_agrees=bool(ours.token_ids[:1] == dense_tokens[:1]),
             greedy_agreement=agree / max_tokens,
             kl_mean=float(kl.mean()),
             kl_first=float(kl[0]),
@@ -762,6 +765,20 @@ class Engine:
                 "transfers between devices need a multi-device server (kvbaton serve --devices ...)"
             )
         return self.describe(handle)
+
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the prefix cache holds on the device (what a prefill of
+        them would skip): lets a multi-device coordinator predict a recompute's real cost."""
+        with self._lock:
+            if self.cache is None:
+                return 0
+            path = self.cache.match(list(tokens), len(tokens) - 1, touch=False)
+            device = 0
+            for node in path:
+                if node.state is not NodeState.DEVICE:
+                    break
+                device += 1
+            return device * self.block_size
 
     def export_kv(self, handle: HandleLike) -> tuple[Handle, int, Iterator[tuple[torch.Tensor, torch.Tensor]]]:
         """A live handle's metadata, how many of its tokens have K/V, and an iterator over copies of

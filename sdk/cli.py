@@ -7,11 +7,14 @@ its arguments and one that runs it. Adding a subcommand (``run``, ``bench``...) 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,12 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                      "tenant whose handles the others cannot see). Default: $KVBATON_TOKEN (comma-separated)")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--model", default=None, help="default model, or a local Hugging Face checkpoint dir")
+    eng.add_argument("--engine", default="kvbaton", choices=["kvbaton", "sglang"],
+                     help="kvbaton's engine (default), or SGLang with the kvbaton plugin (GPU; needs "
+                     "sglang==0.5.23 in this Python and --model <HF dir>; docs/sglang.md)")
+    eng.add_argument("--sglang-arg", action="append", default=None, metavar="KEY=VALUE", dest="sglang_args",
+                     help="with --engine sglang: an sglang.Engine option (repeatable; VALUE is read as JSON when "
+                     "it parses), e.g. mem_fraction_static=0.5 or disable_cuda_graph=true")
     eng.add_argument("--kv-budget", default="1GiB", help='KV pool size: "512MiB", "2GB", "800 blocks" (default 1GiB)')
     eng.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
                      help="compute dtype; auto = bf16 where the hardware has it natively (default float32)")
@@ -53,6 +62,21 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     eng.add_argument("--prefill-chunk", type=int, default=512,
                      help="most tokens per prefill forward; bounds how long a prompt stalls others (default 512)")
+    multi = parser.add_argument_group("multi-device (docs/multidevice.md)")
+    multi.add_argument("--devices", default=None, metavar="DEV,DEV,...",
+                       help="one worker process per listed device, e.g. cuda:0,cuda:1 (or cpu,cpu); KV moves "
+                       "between them over torch.distributed")
+    multi.add_argument("--world-size", type=int, default=None,
+                       help="multi-node: total workers across all nodes (torch.distributed rendezvous at "
+                       "$MASTER_ADDR:$MASTER_PORT)")
+    multi.add_argument("--rank", type=int, default=0,
+                       help="multi-node: this process's rank. 0 serves HTTP and runs workers 0..len(devices)-1; "
+                       "a rank R > 0 runs one worker on --device and joins rank 0 (default 0)")
+    multi.add_argument("--balance-slack", type=int, default=1,
+                       help="move a request off its handle's worker when that worker's queue is longer than the "
+                       "shortest by more than this (default 1)")
+    multi.add_argument("--bandwidth-cap", type=float, default=None, metavar="BYTES_PER_S",
+                       help="pace KV transfers between workers (experiments: emulate a slower interconnect)")
     cache = parser.add_argument_group("workflow-aware cache")
     cache.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
     cache.add_argument("--eviction", default="ste", choices=["ste", "lru"],
@@ -88,6 +112,28 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.engine == "sglang":
+        return _serve_sglang(args, tokens)
+    engine_options = {
+        "kv_budget": args.kv_budget,
+        "dtype": args.dtype,
+        "device": args.device,
+        "block_size": args.block_size,
+        "prefill_chunk": args.prefill_chunk,
+        "prefix_cache": not args.no_prefix_cache,
+        "eviction": args.eviction,
+        "tiers": args.tiers or (),
+        "lookahead": args.lookahead,
+    }
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    world = args.world_size
+    if args.rank > 0:
+        return _serve_worker(args, devices, engine_options)
+    cluster_options = None
+    if (devices and len(devices) > 1) or (world and world > 1):
+        cluster_options = {"devices": devices or [args.device], "world_size": world,
+                           "bandwidth_cap": args.bandwidth_cap, "balance_slack": args.balance_slack}
+    engine_options = {**engine_options, "device": (devices or [args.device])[0]}
     from kvbaton.backend.server import serve
 
     try:
@@ -97,17 +143,8 @@ def _serve(args: argparse.Namespace) -> int:
             model=args.model,
             token=tokens,
             log_level=args.log_level,
-            engine_options={
-                "kv_budget": args.kv_budget,
-                "dtype": args.dtype,
-                "device": args.device,
-                "block_size": args.block_size,
-                "prefill_chunk": args.prefill_chunk,
-                "prefix_cache": not args.no_prefix_cache,
-                "eviction": args.eviction,
-                "tiers": args.tiers or (),
-                "lookahead": args.lookahead,
-            },
+            engine_options=engine_options,
+            cluster_options=cluster_options,
             max_body_bytes=args.max_body_bytes,
             max_tokens=args.max_tokens,
             default_max_tokens=args.default_max_tokens,
@@ -115,6 +152,65 @@ def _serve(args: argparse.Namespace) -> int:
             max_agents=args.max_agents,
             threads=args.threads,
         )
+    except KvbatonError as exc:
+        print(f"kvbaton serve: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _serve_worker(args: argparse.Namespace, devices: list[str] | None, engine_options: dict[str, Any]) -> int:
+    """``kvbaton serve --rank R`` (R > 0): one worker joining the rank-0 server of a multi-node cluster."""
+    from kvbaton.backend.worker import run_worker
+
+    if not args.world_size or not 0 < args.rank < args.world_size:
+        print("kvbaton serve: error: --rank R > 0 needs --world-size N > R", file=sys.stderr)
+        return 2
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        print("kvbaton serve: error: --rank R > 0 needs MASTER_ADDR and MASTER_PORT (rank 0's address)",
+              file=sys.stderr)
+        return 2
+    control = int(os.environ.get("KVBATON_CONTROL_PORT") or int(port) + 1)
+    options = {k: v for k, v in engine_options.items() if k != "device"}
+    run_worker(args.rank, args.world_size, (devices or [args.device])[0], (addr, control), args.model, options,
+               args.bandwidth_cap)
+    return 0
+
+
+def _serve_sglang(args: argparse.Namespace, tokens: list[str]) -> int:
+    """``--engine sglang``: the same server over SGLang; kvbaton's engine options map onto it."""
+    from kvbaton.errors import KvbatonError
+
+    host_tiers = [t.split(":", 1)[1] for t in args.tiers or () if t.startswith("host:")]
+    options: dict[str, Any] = {
+        "kv_budget": args.kv_budget,
+        "dtype": args.dtype,
+        "eviction": "kvbaton" if args.eviction == "ste" else "lru",
+        "lookahead": args.lookahead,
+    }
+    for item in args.sglang_args or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"kvbaton serve: error: --sglang-arg {item!r}: use KEY=VALUE", file=sys.stderr)
+            return 2
+        try:
+            options[key.strip().replace("-", "_")] = json.loads(value)
+        except ValueError:
+            options[key.strip().replace("-", "_")] = value
+    if len(host_tiers) != len(args.tiers or ()):
+        print("kvbaton serve: error: with --engine sglang the only slow tier is host:SIZE (SGLang's HiCache)",
+              file=sys.stderr)
+        return 2
+    try:
+        if host_tiers:
+            from kvbaton.backend.sglang_plugin.engine import gigabytes
+
+            options["host_tier_gb"] = gigabytes(host_tiers[0])
+        from kvbaton.backend.sglang_plugin.server import serve
+
+        serve(args.host, args.port, model=args.model, token=tokens, log_level=args.log_level, engine_options=options,
+              max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
+              max_n=args.max_n, max_agents=args.max_agents, threads=args.threads)
     except KvbatonError as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2
@@ -158,6 +254,72 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- run (examples) ----------------------------------------------------------------------------------
+
+
+def _run_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvbaton.examples import EXAMPLES
+
+    parser.add_argument("example", choices=sorted(EXAMPLES), metavar="EXAMPLE",
+                        help="; ".join(f"{name}: {text}" for name, text in EXAMPLES.items()))
+    parser.add_argument("args", nargs=argparse.REMAINDER,
+                        help="the example's own arguments (kvbaton run EXAMPLE --help lists them), e.g. --baseline both")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import importlib
+
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    importlib.import_module(f"kvbaton.examples.{args.example}").main(list(args.args))
+    return 0
+
+
+# -- bench ------------------------------------------------------------------------------------------
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvbaton.bench.__main__ import BENCHMARKS
+
+    names = {"all": "every registered benchmark plus the experiment summary (--quick, --only, --skip, --list)",
+             **{name: text for name, (_, text) in BENCHMARKS.items()}}
+    parser.add_argument("name", choices=list(names), metavar="NAME",
+                        help="; ".join(f"{name}: {text}" for name, text in names.items()))
+    parser.add_argument("args", nargs=argparse.REMAINDER,
+                        help="the benchmark's own arguments (kvbaton bench NAME --help lists them)")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvbaton.bench import suite
+
+    if args.name == "all":
+        parser = argparse.ArgumentParser(prog="kvbaton bench all", description=suite.__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        suite.add_arguments(parser)
+        return suite.run_from_args(parser.parse_args(args.args))
+    rest = list(args.args)
+    if any(a in ("-h", "--help") for a in rest):
+        return _bench_help(args.name, rest)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--results-dir", default="results")
+    known, rest = pre.parse_known_args(rest)
+    outcome = suite.run_one(args.name, suite.registry()[args.name][0], Path(known.results_dir), False, rest)
+    print(f"{args.name}: {outcome.status}" + (f" ({outcome.note})" if outcome.note else "")
+          + (f"; written: {', '.join(outcome.files)}" if outcome.files else ""))
+    return 0 if outcome.status == "ok" else 1
+
+
+def _bench_help(name: str, rest: list[str]) -> int:
+    import importlib
+
+    from kvbaton.bench import suite
+
+    try:
+        importlib.import_module(suite.registry()[name][0]).main(rest)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     c.name: c
     for c in (
@@ -165,6 +327,15 @@ COMMANDS: dict[str, Command] = {
                 _serve_arguments, _serve,
                 description="Serve the engine over HTTP. Binds 127.0.0.1 by default; binding any other address "
                 "requires a token (--token or $KVBATON_TOKEN)."),
+        Command("run", "run an example workflow (debate, tree_of_thought, rag, wrap_existing_langgraph_app)",
+                _run_arguments, _run,
+                description="Run an example on the embedded default model. Add --baseline both to compare "
+                "with text passing. See docs/examples.md."),
+        Command("bench", "run a benchmark, or all of them (JSON + PNG plots in a results dir)",
+                _bench_arguments, _bench,
+                description="Run one registered benchmark (its table is printed, its JSON and a PNG plot are "
+                "written to --results-dir), or 'all': every benchmark and the experiment summary. "
+                "See docs/results.md."),
         Command("info", "print version, default model and cache dir", _info_arguments, _info),
     )
 }

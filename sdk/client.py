@@ -423,7 +423,7 @@ def connect(
     (token defaults to ``$KVBATON_TOKEN``; options ``timeout``, ``connect_timeout``, ``headers``).
 
     ``connect(engine="sglang", model="/path/to/hf-checkpoint")`` runs SGLang with the kvbaton plugin
-    in this process instead of kvbaton's engine (``pip install 'kvbaton[sglang]'``; docs/sglang.md).
+    in this process instead of kvbaton's engine (needs sglang==0.5.23 and a GPU; docs/sglang.md).
     """
     if _wants_sglang(target, token, options):
         from .sglang_client import SglangClient

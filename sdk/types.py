@@ -121,7 +121,10 @@ class PlacementDecision(BaseModel):
     handle: str
     src: int | None = Field(description="Worker the handle lived on; None when that worker was lost.")
     dst: int
-    reason: str = Field(description="'explicit' (transfer call), 'balance' (queue lengths) or 'lost' (worker died).")
+    reason: str = Field(
+        description="'explicit' (transfer call), 'balance' (queue lengths), 'colocate' (compose/merge/fidelity "
+        "need the handles on one worker) or 'lost' (worker died)."
+    )
     tokens: int
     bytes: int
     predicted_transfer_s: float | None

@@ -90,6 +90,7 @@ def test_gate_falls_back_to_dense_until_two_anchors_then_corrects(engine):
             sys_b, [a.segment(len(sys_a), len(sys_a) + len(doc), slot="notes")], agent="reviewer", correction=cfg
         )
         outcomes.append((out.segments[0].outcome, out.segments[0].anchors, out.exact))
+        engine.anchor_pool(cfg).flush()  # anchors are built in the background
     assert outcomes[0] == ("recomputed", 0, True)
     assert outcomes[1] == ("recomputed", 1, True)
     assert outcomes[2][:2] == ("corrected", 2) and outcomes[2][2] is False
@@ -108,13 +109,13 @@ def test_anchor_pool_stays_bounded():
     pool = AnchorPool(CorrectionConfig(pool_size=3, rank=4))
     for i in range(10):
         ref = torch.randn(4, 20 + i, 16)
-        pool.add("slot", ref, ref + 0.1 * torch.randn_like(ref))
+        pool.add("slot", ref, ref + 0.1 * torch.randn_like(ref), wait=True)
     assert pool.anchors("slot") == 3 and pool.num_anchors == 3
     full = AnchorPool(CorrectionConfig(pool_size=3, method="full"))
     ref = torch.randn(4, 512, 192)
-    full.add("slot", ref, ref + 1)
+    full.add("slot", ref, ref + 1, wait=True)
     pool = AnchorPool(CorrectionConfig(pool_size=3, rank=32))
-    pool.add("slot", ref, ref + 1)
+    pool.add("slot", ref, ref + 1, wait=True)
     assert full.nbytes > 3.7 * pool.nbytes  # low rank: the pool stops scaling with full dimensions
 
 

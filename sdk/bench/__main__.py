@@ -11,12 +11,21 @@ BENCHMARKS = {
     "ttft": ("kvbaton.bench.ttft", "TTFT: text replay vs resume from a handle vs the question-only floor"),
     "adapter_overhead": ("kvbaton.bench.adapter_overhead", "LangGraph adapter overhead per LLM call (no model time)"),
     "engine": ("kvbaton.bench.engine", "engine speed vs plain transformers: prefill, decode, batched decode"),
+    "transfer": ("kvbaton.bench.transfer", "multi-device: KV transfer vs recompute crossover, fork across workers vs replay"),
+    "correction": ("kvbaton.bench.correction", "shared segments behind different prefixes: dense / rotation / anchor correction"),
     "workflow": ("kvbaton.bench.workflow", "10-agent cyclic workflow: no reuse / LRU / LRU+tier / STE+prefetch"),
+    "scaling": ("kvbaton.bench.scaling", "k = 1..16 agents on one shared context: text replay vs forked handles"),
+    "branching": ("kvbaton.bench.branching", "peak KV vs branch factor of a tree search: copies vs forks"),
 }
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["all"]:  # every benchmark, JSON + PNG each (kvbaton.bench.suite)
+        from kvbaton.bench.suite import main as run_all
+
+        run_all(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="python -m kvbaton.bench", description="kvbaton benchmarks")
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHMARKS.items()))
     args, rest = parser.parse_known_args(argv[:1])

@@ -1,0 +1,118 @@
+"""Peak KV vs branch factor: a tree-of-thought search with b branches per level, forks vs copies.
+
+A root context is expanded ``--depth`` times; at each level the current node gets b branches, each
+generating a short thought, and the first branch is expanded next. Every branch stays alive until
+the end (a search that may backtrack), so the KV held at the end is the search's peak.
+
+(a) copies (text passing): every branch is its own prompt, path so far + branch suffix, prefilled in
+    full (no prefix cache), so each branch holds its own copy of the context;
+(b) forks: the root is materialized once and each level ``fork``s the current node b ways (zero
+    copy); a branch adds only its suffix and thought.
+
+Reported per b: KV held (MiB, blocks), its ratio, the ideal fork footprint (blocks of the context
+once plus each branch's own tokens), tokens prefilled and wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvbaton import SamplingParams
+from kvbaton.bench.common import format_table, machine_info, write_results
+from kvbaton.bench.corpus import document
+from tqdm.auto import tqdm
+
+DEFAULT_BRANCHES = (1, 2, 4, 8, 16)
+QUICK_ARGS = ["--branches", "1", "2", "--context-tokens", "96", "--depth", "1", "--max-tokens", "2"]
+
+
+def _search(engine: Any, b: int, depth: int, context: list[int], params: SamplingParams,
+            forks: bool) -> dict[str, Any]:
+    before = engine.stats()
+    start = time.perf_counter()
+    alive: list[Any] = []
+    node = engine.materialize(context) if forks else None
+    if node is not None:
+        alive.append(node)
+    path = list(context)
+    branch_tokens = 0
+    for level in range(depth):
+        suffixes = [engine.tokenize(f"\nStep {level + 1}, idea {i + 1}:") for i in range(b)]
+        starts = engine.fork(node, b) if node is not None else [None] * b
+        alive.extend(h for h in starts if h is not None)
+
+        def branch(i: int, starts: list[Any] = starts, suffixes: list[list[int]] = suffixes,
+                   path: list[int] = path) -> Any:
+            if starts[i] is not None:
+                return engine.resume(starts[i], suffixes[i], params)
+            return engine.complete(path + suffixes[i], params)
+
+        with ThreadPoolExecutor(max_workers=b) as pool:
+            results = list(pool.map(branch, range(b)))
+        alive.extend(r.handle for r in results)
+        branch_tokens += sum(len(s) + len(r.token_ids) for s, r in zip(suffixes, results))
+        path = path + suffixes[0] + results[0].token_ids
+        node = results[0].handle if forks else None
+    wall = time.perf_counter() - start
+    after = engine.stats()
+    engine.release(alive)
+    block = after.block_size
+    # context once, each branch's own tokens, one partially filled block per branch (copy-on-write)
+    ideal = -(-len(context) // block) + -(-branch_tokens // block) + b * depth
+    return {"wall_s": wall, "kv_bytes": after.pool_bytes_used, "kv_blocks": after.blocks_used,
+            "tokens_prefilled": after.tokens_prefilled - before.tokens_prefilled, "ideal_fork_blocks": ideal,
+            "bytes_per_block": after.bytes_per_block}
+
+
+def run(branches: tuple[int, ...] = DEFAULT_BRANCHES, context_tokens: int = 1024, depth: int = 2,
+        max_tokens: int = 8) -> dict[str, Any]:
+    from kvbaton.backend import Engine
+
+    engine = Engine(kv_budget="2GiB", prefix_cache=False)
+    context = engine.tokenize(document(int(context_tokens * 0.9) + 100, seed=31))[:context_tokens]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    for b in tqdm(branches, desc="branching", unit="b"):
+        copies = _search(engine, b, depth, context, params, forks=False)
+        forks = _search(engine, b, depth, context, params, forks=True)
+        rows.append({
+            "branches": b,
+            "depth": depth,
+            "copies_kv_bytes": copies["kv_bytes"], "forks_kv_bytes": forks["kv_bytes"],
+            "copies_kv_blocks": copies["kv_blocks"], "forks_kv_blocks": forks["kv_blocks"],
+            "forks_ideal_blocks": forks["ideal_fork_blocks"],
+            "kv_copies_over_forks": copies["kv_bytes"] / max(forks["kv_bytes"], 1),
+            "copies_prefilled": copies["tokens_prefilled"], "forks_prefilled": forks["tokens_prefilled"],
+            "copies_wall_s": copies["wall_s"], "forks_wall_s": forks["wall_s"],
+        })
+    assert engine.stats().blocks_used == 0
+    return {"benchmark": "branching", "model": engine.loaded.name, "context_tokens": len(context), "depth": depth,
+            "max_tokens": max_tokens, "machine": machine_info(), "rows": rows}
+
+
+def table(payload: dict[str, Any]) -> str:
+    mib = 1024 * 1024
+    columns = ["branches", "copies KV MiB", "forks KV MiB", "ratio", "forks blocks", "ideal blocks",
+               "copies prefilled", "forks prefilled", "copies s", "forks s"]
+    rows = [[r["branches"], r["copies_kv_bytes"] / mib, r["forks_kv_bytes"] / mib, f"{r['kv_copies_over_forks']:.1f}x",
+             r["forks_kv_blocks"], r["forks_ideal_blocks"], r["copies_prefilled"], r["forks_prefilled"],
+             r["copies_wall_s"], r["forks_wall_s"]] for r in payload["rows"]]
+    return format_table(columns, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvbaton bench branching", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--branches", type=int, nargs="+", default=list(DEFAULT_BRANCHES),
+                        help="branch factors (default 1 2 4 8 16)")
+    parser.add_argument("--depth", type=int, default=2, help="levels expanded (default 2)")
+    parser.add_argument("--context-tokens", type=int, default=1024, help="root context length (default 1024)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens per thought (default 8)")
+    parser.add_argument("--results-dir", default="results", help="where branching.json is written")
+    args = parser.parse_args(argv)
+    payload = run(tuple(args.branches), args.context_tokens, args.depth, args.max_tokens)
+    print(table(payload))
+    print(f"\nwritten: {write_results(args.results_dir, 'branching', payload)}")

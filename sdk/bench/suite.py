@@ -1,0 +1,177 @@
+"""``kvbaton bench all``: every registered benchmark, each writing its JSON and a PNG plot, then a
+summary of the AAFLOW+ experiments they measure.
+
+Benchmarks come from the registry (``kvbaton.bench.__main__.BENCHMARKS``), so one registered later
+runs here too. ``--quick`` runs each with small sizes: a benchmark module may define
+``QUICK_ARGS`` (its argv for a small run); the built-in ones are in ``kvbaton.bench.suite.QUICK``; a
+benchmark with neither is skipped in quick runs (its full run may be long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbaton.bench.common import format_table, machine_info
+from tqdm.auto import tqdm
+
+# The experiments of the issue, and the benchmarks that measure each.
+EXPERIMENTS: list[tuple[str, tuple[str, ...]]] = [
+    ("(1) TTFT vs context length", ("ttft",)),
+    ("(2) multi-agent scaling, k = 1..16 agents on one context", ("scaling",)),
+    ("(3) transfer vs recompute crossover", ("transfer",)),
+    ("(4) peak KV vs branch factor", ("branching",)),
+    ("(5) throughput and framework overhead", ("serve", "engine", "adapter_overhead")),
+]
+
+QUICK: dict[str, list[str]] = {
+    "ttft": ["--lengths", "128", "256", "--repeats", "1", "--no-hf"],
+    "serve": ["--levels", "1", "2", "--context-words", "100", "--max-tokens", "2"],
+    "engine": ["--dtypes", "float32", "--steps", "4", "--concurrency", "1", "2"],
+    "adapter_overhead": ["--repeats", "5"],
+    "transfer": ["--lengths", "128", "256", "--ks", "1", "2", "--context", "128", "--max-tokens", "2",
+                 "--suffix", "8", "--repeats", "1"],
+    "correction": ["--lengths", "128", "--trajectories", "2", "--greedy-tokens", "4"],
+    "workflow": ["--rounds", "1", "--fixed-min", "64", "--fixed-max", "96", "--suffix-tokens", "8",
+                 "--max-tokens", "2"],
+}
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str  # ok | failed | skipped
+    seconds: float = 0.0
+    note: str = ""
+    files: list[str] = field(default_factory=list)
+
+
+def registry() -> dict[str, tuple[str, str]]:
+    from kvbaton.bench.__main__ import BENCHMARKS
+
+    return dict(BENCHMARKS)
+
+
+def _names(values: Sequence[str] | None) -> list[str]:
+    return [n for v in values or () for n in v.replace(",", " ").split()]
+
+
+def quick_args(name: str, module: Any) -> list[str] | None:
+    own = getattr(module, "QUICK_ARGS", None)
+    return list(own) if own is not None else QUICK.get(name)
+
+
+def run_one(name: str, module_name: str, results_dir: Path, quick: bool, extra: Sequence[str] = ()) -> Outcome:
+    """Run one benchmark's ``main`` into ``results_dir``; plot every JSON file it wrote."""
+    from kvbaton.bench.plots import plot
+
+    module = importlib.import_module(module_name)
+    argv: list[str] = []
+    if quick:
+        q = quick_args(name, module)
+        if q is None:
+            return Outcome(name, "skipped", note="no quick configuration (define QUICK_ARGS in its module)")
+        argv += q
+    argv += [*extra, "--results-dir", str(results_dir)]
+    print(f"\n=== {name}: {' '.join(argv)}", flush=True)
+    before = {p: p.stat().st_mtime_ns for p in results_dir.glob("*.json")}
+    start = time.time()
+    try:
+        module.main(argv)
+    except SystemExit as exc:  # argparse errors and explicit exits
+        if exc.code not in (0, None):
+            return Outcome(name, "failed", time.time() - start, f"exited with {exc.code}")
+    except Exception as exc:  # noqa: BLE001 - one failing benchmark must not stop the suite
+        traceback.print_exc()
+        return Outcome(name, "failed", time.time() - start, f"{type(exc).__name__}: {exc}")
+    seconds = time.time() - start
+    files = []
+    for path in sorted(results_dir.glob("*.json")):
+        if before.get(path) != path.stat().st_mtime_ns and path.name != "summary.json":  # written by this run
+            payload = json.loads(path.read_text())
+            if isinstance(payload, dict):
+                payload.setdefault("benchmark", path.stem)
+                try:
+                    files += [path.name, plot(payload, path.with_suffix(".png")).name]
+                except Exception as exc:  # noqa: BLE001 - a plot failure is reported, the data stays
+                    files.append(path.name)
+                    print(f"plot of {path.name} failed: {type(exc).__name__}: {exc}")
+    return Outcome(name, "ok", seconds, files=files)
+
+
+def run_all(results_dir: str | Path = "results", *, quick: bool = False, only: Sequence[str] = (),
+            skip: Sequence[str] = ()) -> list[Outcome]:
+    out_dir = Path(results_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    benches = registry()
+    unknown = sorted(set(only) - set(benches) | set(skip) - set(benches))
+    if unknown:
+        raise SystemExit(f"unknown benchmark(s): {', '.join(unknown)}; registered: {', '.join(sorted(benches))}")
+    names = [n for n in benches if (not only or n in only) and n not in skip]
+    outcomes = []
+    for name in tqdm(names, desc="kvbaton bench all", unit="benchmark"):
+        outcomes.append(run_one(name, benches[name][0], out_dir, quick))
+    for name in benches:
+        if name not in names:
+            outcomes.append(Outcome(name, "skipped", note="not selected"))
+    summary = {"machine": machine_info(), "quick": quick,
+               "outcomes": [o.__dict__ for o in outcomes], "experiments": experiments(outcomes, benches)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return outcomes
+
+
+def experiments(outcomes: Sequence[Outcome], benches: dict[str, Any]) -> list[dict[str, str]]:
+    by = {o.name: o for o in outcomes}
+    rows = []
+    for title, names in EXPERIMENTS:
+        for name in names:
+            if name not in benches:
+                status = f"skipped: the {name!r} benchmark is not registered in this build"
+            else:
+                o = by.get(name)
+                status = o.status + (f" ({o.note})" if o and o.note else "") if o else "not run"
+            rows.append({"experiment": title, "benchmark": name, "status": status})
+    return rows
+
+
+def print_summary(outcomes: Sequence[Outcome], results_dir: str | Path) -> None:
+    benches = registry()
+    print("\n=== benchmarks")
+    print(format_table(["benchmark", "status", "seconds", "files / note"],
+                       [[o.name, o.status, round(o.seconds, 1), ", ".join(o.files) or o.note] for o in outcomes]))
+    print("\n=== experiments")
+    print(format_table(["experiment", "benchmark", "status"],
+                       [[r["experiment"], r["benchmark"], r["status"]] for r in experiments(outcomes, benches)]))
+    print(f"\nresults in {results_dir}/ (summary.json, <benchmark>.json, <benchmark>.png)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes (minutes, not an hour): a smoke run")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks (names or a,b,c)")
+    parser.add_argument("--skip", nargs="+", metavar="NAME", help="do not run these benchmarks")
+    parser.add_argument("--results-dir", default="results", help="where JSON, PNG and summary.json go (default results)")
+    parser.add_argument("--list", action="store_true", help="list the registered benchmarks and exit")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    if args.list:
+        for name, (module, text) in registry().items():
+            print(f"{name:18s} {text}  [{module}]")
+        return 0
+    outcomes = run_all(args.results_dir, quick=args.quick, only=_names(args.only), skip=_names(args.skip))
+    print_summary(outcomes, args.results_dir)
+    return 1 if any(o.status == "failed" for o in outcomes) else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvbaton bench all", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    raise SystemExit(run_from_args(parser.parse_args(argv)))

@@ -1,0 +1,233 @@
+"""Multi-device: KV transfer vs recompute between workers, and fork across workers vs text replay.
+
+All measured in one run on one cluster of worker processes (default: two CPU workers, gloo):
+
+(1) crossover: a handle of L tokens lives on worker 0 and is needed on worker 1. Measured side by
+    side: moving its KV blocks over torch.distributed (transfer) and recomputing it from lineage on
+    worker 1 (recompute), for each context length and each bandwidth cap (the sender paces itself
+    to emulate slower links; "none" = the real loopback link). Also shown: the cost model's
+    predictions and choice, and whether that choice was the faster one measured.
+(2) fork across workers: a shared context, k = 1, 2, 4, 8, 16 branches each resuming with its own
+    short suffix, all at once. Handles: materialize once, fork k, resume the children (placement
+    spreads them over the workers, moving KV as the cost model says). Text replay: k plain
+    completions of context + suffix. Total wall time and peak KV bytes per worker.
+
+The prefix cache is off in the workers, so recompute and replay really recompute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvbaton import SamplingParams
+from kvbaton.bench.common import format_table, machine_info, write_results
+from kvbaton.bench.corpus import document
+from tqdm.auto import tqdm
+
+DEFAULT_LENGTHS = (128, 512, 1024, 2048)
+DEFAULT_CAPS = ("none", "1e8", "3e7", "1e7", "3e6")
+DEFAULT_KS = (1, 2, 4, 8, 16)
+
+
+def _cap(text: str) -> float | None:
+    return None if text.lower() in ("none", "0", "") else float(text)
+
+
+class PeakKV:
+    """Samples every worker's used blocks while a phase runs; keeps the peak bytes per worker."""
+
+    def __init__(self, cluster: Any, interval: float = 0.05) -> None:
+        self.cluster = cluster
+        self.interval = interval
+        self.peak: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        for w in self.cluster.stats().cluster.workers:
+            if w.stats is not None:
+                used = w.stats.pool_bytes_used
+                self.peak[w.rank] = max(self.peak.get(w.rank, 0), used)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakKV:  # noqa: PYI034
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def _parallel(fns: list[Callable[[], Any]]) -> list[Any]:
+    out: list[Any] = [None] * len(fns)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def crossover(cluster: Any, corpus: list[int], lengths: tuple[int, ...], caps: tuple[str, ...],
+              repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    offset = 0
+    cells = [(cap, length) for cap in caps for length in lengths]
+    for cap, length in tqdm(cells, desc="transfer vs recompute", unit="cell"):
+        cluster.set_bandwidth_cap(_cap(cap))
+        times: dict[str, list[float]] = {"transfer": [], "recompute": []}
+        decision = None
+        for _ in range(repeats):
+            for method in ("transfer", "recompute"):
+                # Fresh tokens each time: nothing of them is anywhere but in this handle.
+                offset = (offset + 97) % max(1, len(corpus) - length)
+                handle = cluster.materialize(corpus[offset: offset + length])
+                src = handle.placement.worker
+                start = time.perf_counter()
+                cluster.transfer(handle, 1 - src, method=method)
+                times[method].append(time.perf_counter() - start)
+                decision = [d for d in cluster.stats().cluster.decisions if d.handle == handle.id][-1]
+                cluster.release(handle)
+        assert decision is not None
+        transfer_s, recompute_s = min(times["transfer"]), min(times["recompute"])
+        choice = "transfer" if decision.predicted_transfer_s < decision.predicted_recompute_s else "recompute"
+        rows.append({
+            "bandwidth_cap_bytes_per_s": _cap(cap),
+            "context_tokens": length,
+            "kv_bytes": decision.bytes,
+            "transfer_s": transfer_s,
+            "recompute_s": recompute_s,
+            "predicted_transfer_s": decision.predicted_transfer_s,
+            "predicted_recompute_s": decision.predicted_recompute_s,
+            "model_choice": choice,
+            "faster_measured": "transfer" if transfer_s < recompute_s else "recompute",
+            "recompute_over_transfer": recompute_s / transfer_s,
+        })
+    cluster.set_bandwidth_cap(None)
+    return rows
+
+
+def fork_across(cluster: Any, corpus: list[int], context_tokens: int, ks: tuple[int, ...], max_tokens: int,
+                suffix_tokens: int) -> list[dict[str, Any]]:
+    context = corpus[:context_tokens]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    for k in tqdm(ks, desc="fork across workers", unit="k"):
+        suffixes = [corpus[-(i + 1) * suffix_tokens: len(corpus) - i * suffix_tokens] for i in range(k)]
+        before = len(cluster.stats().cluster.decisions)
+        with PeakKV(cluster) as handles_peak:
+            start = time.perf_counter()
+            parent = cluster.materialize(context)
+            children = cluster.fork(parent, k)
+            results = _parallel([lambda c=c, s=s: cluster.resume(c, s, params) for c, s in zip(children, suffixes)])
+            handles_s = time.perf_counter() - start
+        decisions = cluster.stats().cluster.decisions[before:]
+        cluster.release([parent, *children, *(r.handle for r in results)])
+        with PeakKV(cluster) as replay_peak:
+            start = time.perf_counter()
+            replayed = _parallel([lambda s=s: cluster.complete(context + s, params) for s in suffixes])
+            replay_s = time.perf_counter() - start
+        cluster.release([r.handle for r in replayed])
+        workers = sorted(set(handles_peak.peak) | set(replay_peak.peak))
+        rows.append({
+            "k": k,
+            "handles_s": handles_s,
+            "replay_s": replay_s,
+            "replay_over_handles": replay_s / handles_s,
+            "moves": len(decisions),
+            "moves_transfer": sum(d.choice == "transfer" for d in decisions),
+            "peak_kv_bytes_handles": {w: handles_peak.peak.get(w, 0) for w in workers},
+            "peak_kv_bytes_replay": {w: replay_peak.peak.get(w, 0) for w in workers},
+        })
+    return rows
+
+
+def run(devices: list[str], lengths: tuple[int, ...], caps: tuple[str, ...], ks: tuple[int, ...],
+        context_tokens: int, max_tokens: int, suffix_tokens: int, repeats: int, kv_budget: str,
+        worker_threads: int | None, balance_slack: int = 1) -> dict[str, Any]:
+    from kvbaton.backend.cluster import Cluster
+
+    need = max([*lengths, context_tokens]) + max(ks) * suffix_tokens + 200
+    with Cluster(devices, engine_options={"kv_budget": kv_budget, "prefix_cache": False},
+                 calibration_cache=None, worker_threads=worker_threads, balance_slack=balance_slack) as cluster:
+        corpus = cluster.tokenize(document(int(need * 1.2), seed=23))[:need]
+        warm = cluster.materialize(corpus[:32])
+        cluster.release(warm)
+        cal = cluster.stats().cluster
+        cross = crossover(cluster, corpus, lengths, caps, repeats)
+        fork = fork_across(cluster, corpus, context_tokens, ks, max_tokens, suffix_tokens)
+        model = cluster.loaded.name
+    return {
+        "benchmark": "transfer", "model": model, "devices": devices, "worker_threads": worker_threads,
+        "balance_slack": balance_slack,
+        "calibration": {"bandwidth_bytes_per_s": cal.bandwidth_bytes_per_s, "latency_s": cal.latency_s,
+                        "prefill_tokens_per_s": {w.rank: w.prefill_tokens_per_s for w in cal.workers}},
+        "context_tokens": context_tokens, "max_tokens": max_tokens, "suffix_tokens": suffix_tokens,
+        "machine": machine_info(), "crossover": cross, "fork": fork,
+    }
+
+
+def tables(payload: dict[str, Any]) -> str:
+    cross = format_table(
+        ["cap B/s", "context", "KV MB", "transfer s", "recompute s", "pred. transfer s", "pred. recompute s",
+         "model picks", "faster"],
+        [[("none" if r["bandwidth_cap_bytes_per_s"] is None else f"{r['bandwidth_cap_bytes_per_s']:.0e}"),
+          r["context_tokens"], r["kv_bytes"] / 1e6, r["transfer_s"], r["recompute_s"], r["predicted_transfer_s"],
+          r["predicted_recompute_s"], r["model_choice"], r["faster_measured"]] for r in payload["crossover"]],
+    )
+    fork = format_table(
+        ["k", "handles s", "replay s", "replay/handles", "moves (transfers)", "peak KV MB/worker handles",
+         "peak KV MB/worker replay"],
+        [[r["k"], r["handles_s"], r["replay_s"], f"{r['replay_over_handles']:.2f}x",
+          f"{r['moves']} ({r['moves_transfer']})",
+          " / ".join(f"{v / 1e6:.1f}" for v in r["peak_kv_bytes_handles"].values()),
+          " / ".join(f"{v / 1e6:.1f}" for v in r["peak_kv_bytes_replay"].values())] for r in payload["fork"]],
+    )
+    return f"{cross}\n\n{fork}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvbaton.bench transfer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", default="cpu,cpu", help="worker devices (default cpu,cpu)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="context lengths")
+    parser.add_argument("--caps", nargs="+", default=list(DEFAULT_CAPS),
+                        help="bandwidth caps in bytes/s to sweep; 'none' = unpaced link")
+    parser.add_argument("--ks", type=int, nargs="+", default=list(DEFAULT_KS), help="fork branch counts")
+    parser.add_argument("--context", type=int, default=1024, help="shared context tokens of the fork phase")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens each branch generates")
+    parser.add_argument("--suffix", type=int, default=16, help="tokens of each branch's own suffix")
+    parser.add_argument("--repeats", type=int, default=2, help="repetitions per crossover cell (minimum reported)")
+    parser.add_argument("--kv-budget", default="1GiB", help="KV pool per worker")
+    parser.add_argument("--worker-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="torch threads per CPU worker (default: cores / 2)")
+    parser.add_argument("--balance-slack", type=int, default=1,
+                        help="queue-length difference before a request moves off its handle's worker (default 1)")
+    parser.add_argument("--results-dir", default="results", help="where transfer.json is written")
+    args = parser.parse_args(argv)
+    payload = run([d.strip() for d in args.devices.split(",")], tuple(args.lengths), tuple(args.caps),
+                  tuple(args.ks), args.context, args.max_tokens, args.suffix, args.repeats, args.kv_budget,
+                  args.worker_threads, args.balance_slack)
+    print(tables(payload))
+    print(f"\nwritten: {write_results(args.results_dir, 'transfer', payload)}")

@@ -1,0 +1,116 @@
+"""The examples, ``kvbaton run`` / ``kvbaton bench`` and the benchmark suite, at the smallest sizes.
+
+Each example runs in both modes on the real model and must report its metrics; greedy decoding
+makes the two modes' outputs identical, so the reports must say so. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kvbaton.cli import main as cli
+from kvbaton.examples import EXAMPLES
+
+TINY = ["--baseline", "both", "--quiet", "--max-tokens", "3"]
+ARGS = {
+    "debate": ["--rounds", "1", "--context-words", "60"],
+    "tree_of_thought": ["--k", "2", "--depth", "1", "--context-words", "60"],
+    "rag": ["--k", "2", "--top-n", "1"],
+    "wrap_existing_langgraph_app": ["--context-words", "60"],
+}
+AGENTS = {
+    "debate": {"optimist", "skeptic", "pragmatist", "judge"},
+    "tree_of_thought": {"thinker", "scorer", "answer"},
+    "rag": {"planner", "solver_1", "solver_2", "synthesizer"},
+    "wrap_existing_langgraph_app": {"researcher", "writer", "editor"},
+}
+
+
+def test_every_example_is_tested():
+    assert set(ARGS) == set(EXAMPLES) == set(AGENTS)
+
+
+@pytest.mark.parametrize("name", sorted(ARGS))
+def test_example_runs_in_both_modes_and_reports_metrics(name, capsys):
+    import importlib
+
+    out = importlib.import_module(f"kvbaton.examples.{name}").main([*ARGS[name], *TINY])
+    kv, text = out["modes"]["kvbaton"], out["modes"]["text"]
+    for report in (kv, text):
+        assert AGENTS[name] <= set(report["per_agent"])
+        assert report["total_s"] > 0 and report["peak_kv_bytes"] > 0 and report["tokens_prefilled"] > 0
+        for agent in AGENTS[name]:
+            assert report["per_agent"][agent]["ttft_mean_s"] > 0
+    # text passing reuses nothing and prefills everything; kvbaton reuses the shared prefix
+    assert text["tokens_reused"] == 0
+    assert kv["tokens_reused"] > 0
+    assert kv["tokens_prefilled"] < text["tokens_prefilled"]
+    assert out["same_outputs"] is True
+    assert set(out["ratios"]) == {"total_time_text_over_kvbaton", "mean_ttft_text_over_kvbaton",
+                                  "prefilled_text_over_kvbaton"}
+    printed = capsys.readouterr().out
+    for heading in ("kvbaton (KV handles)", "text passing (baseline)", "kvbaton vs text passing", "peak KV",
+                    "TTFT mean ms", "tokens reused", "tokens prefilled", "total time s"):
+        assert heading in printed
+
+
+def test_example_single_mode():
+    from kvbaton.examples import tree_of_thought
+
+    out = tree_of_thought.main(["--k", "1", "--depth", "1", "--context-words", "30", "--max-tokens", "2",
+                                "--baseline", "text", "--quiet"])
+    assert list(out["modes"]) == ["text"] and "ratios" not in out
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["serve"], ["info"], ["run"], ["bench"], ["bench", "all"], ["bench", "scaling"], ["bench", "branching"],
+    *(["run", name] for name in sorted(EXAMPLES)),
+])
+def test_cli_help(argv, capsys):
+    try:
+        code = cli([*argv, "--help"])
+    except SystemExit as exc:  # argparse's own --help exits
+        code = exc.code
+    assert code in (0, None)
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_cli_rejects_unknown_example_and_benchmark(capsys):
+    for argv in (["run", "nope"], ["bench", "nope"]):
+        with pytest.raises(SystemExit) as exc:
+            cli(argv)
+        assert exc.value.code == 2
+
+
+def test_cli_run_delegates_to_the_example(capsys):
+    assert cli(["run", "tree_of_thought", "--k", "1", "--depth", "1", "--context-words", "30",
+                "--max-tokens", "2", "--quiet"]) == 0
+    assert "kvbaton (KV handles)" in capsys.readouterr().out
+
+
+def test_bench_all_quick_writes_json_png_and_summary(tmp_path, monkeypatch, capsys):
+    from kvbaton.bench import branching
+
+    monkeypatch.setattr(branching, "QUICK_ARGS", ["--branches", "2", "--context-tokens", "32", "--depth", "1",
+                                                  "--max-tokens", "1"])
+    assert cli(["bench", "all", "--quick", "--only", "branching", "--results-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "branching.png").stat().st_size > 0
+    payload = json.loads((tmp_path / "branching.json").read_text())
+    (row,) = payload["rows"]
+    assert row["branches"] == 2 and row["copies_kv_blocks"] >= row["forks_kv_blocks"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    status = {o["name"]: o["status"] for o in summary["outcomes"]}
+    assert status["branching"] == "ok" and status["ttft"] == "skipped"
+    experiments = {e["benchmark"]: e["experiment"] for e in summary["experiments"]}
+    assert {"ttft", "scaling", "transfer", "branching", "serve", "adapter_overhead"} <= set(experiments)
+    printed = capsys.readouterr().out
+    assert "=== experiments" in printed and "peak KV vs branch factor" in printed
+
+
+def test_plots_draw_unknown_benchmarks_generically(tmp_path):
+    from kvbaton.bench.plots import plot
+
+    payload = {"benchmark": "later", "rows": [{"size": 1, "a_s": 0.5, "b_s": 1.0}, {"size": 2, "a_s": 0.7, "b_s": 2.1}]}
+    assert plot(payload, tmp_path / "later.png").stat().st_size > 0
+    assert plot({"benchmark": "empty"}, tmp_path / "empty.png").stat().st_size > 0
