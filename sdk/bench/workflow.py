@@ -1,18 +1,24 @@
-"""A KVFlow-style agentic workflow under a tight device KV budget, four cache designs side by side.
+"""A KVFlow-style agentic workflow under a tight device KV budget, cache designs side by side.
 
 Ten agents with distinct fixed prompts run in a cycle with a branch:
 
     planner -> researcher -> {executor_a | executor_b | executor_c} -> coder -> expresser
             -> reviewer -> critic -> summarizer -> planner ...
 
-Each call is the agent's fixed prompt plus a 32-token dynamic suffix (built from the previous
-agent's output), and generates a few tokens. The device KV budget holds about half of all fixed
-prompts. Variants, each on a fresh engine with the same model, in one run:
+One round is one trip around the cycle (8 calls). Each call is the agent's fixed prompt plus a
+32-token dynamic suffix (built from the previous agent's output), and generates a few tokens. The
+device KV budget holds about half of all fixed prompts. Variants, each on a fresh engine with the
+same model and the same schedule, in one run:
 
 (a) no prefix reuse; (b) radix cache + LRU, no slow tier; (c) LRU + slow tier with reactive
 load-back (HiCache-like); (d) STE eviction + prefetch + status-aware scheduling (KVFlow-like).
-With ``--bounded`` two more variants bound the slow tier below the working set, with STE or LRU
-order inside the slow tier, to show how much of (d)'s gain comes from STE ordering there.
+Ablation (on by default, --no-bounded skips it): (d) with a bounded slow tier (a fraction of the
+fixed-prompt blocks that do not fit on the device), with STE or LRU order inside the slow tier, to
+show how much of (d)'s gain comes from STE ordering there.
+
+Every variant reports all rounds and the steady state (rounds after the first: the first round
+prefills every fixed prompt once, the same cold work for every variant), per-round time and
+prefilled tokens, and per-agent TTFT mean and p90.
 """
 
 from __future__ import annotations
@@ -22,18 +28,20 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
-
-from tqdm.auto import tqdm
 
 from kvbaton import SamplingParams, StepGraph
 from kvbaton.bench.common import format_table, machine_info, write_results
 from kvbaton.bench.corpus import document
+from tqdm.auto import tqdm
 
 AGENTS = ["planner", "researcher", "executor_a", "executor_b", "executor_c", "coder", "expresser",
           "reviewer", "critic", "summarizer"]
 EXECUTORS = ["executor_a", "executor_b", "executor_c"]
 ORDER_AFTER_EXECUTOR = ["coder", "expresser", "reviewer", "critic", "summarizer"]
+# About 13-14 minutes for all six variants on a quiet 2-core CPU at the default sizes; 3 steady-state rounds.
+DEFAULT_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -52,21 +60,43 @@ def step_graph() -> StepGraph:
     for executor in EXECUTORS:
         graph.add_edge(executor, "coder")
     chain = ORDER_AFTER_EXECUTOR + ["planner"]
-    for src, dst in zip(chain, chain[1:]):
+    for src, dst in pairwise(chain):
         graph.add_edge(src, dst)
     return graph
 
 
-def schedule(rounds: int, seed: int) -> list[str]:
+def schedule(rounds: int, seed: int) -> list[list[str]]:
+    """The agents of each round; the router picks one executor per round."""
     rng = random.Random(seed)
-    order: list[str] = []
-    for _ in range(rounds):
-        order += ["planner", "researcher", rng.choice(EXECUTORS), *ORDER_AFTER_EXECUTOR]
-    return order
+    return [["planner", "researcher", rng.choice(EXECUTORS), *ORDER_AFTER_EXECUTOR] for _ in range(rounds)]
+
+
+def p90(values: list[float]) -> float:
+    """Nearest-rank 90th percentile (with few samples, close to the maximum)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def summarize(calls: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """End-to-end time, prefill work and TTFT (overall and per agent) of a run of calls."""
+    ttft = [c["ttft_s"] for c in calls]
+    per_agent: dict[str, list[float]] = {}
+    for c in calls:
+        per_agent.setdefault(c["agent"], []).append(c["ttft_s"])
+    return {
+        "calls": len(calls),
+        "end_to_end_s": seconds,
+        "tokens_prefilled": sum(c["tokens_prefilled"] for c in calls),
+        "tokens_reused": sum(c["tokens_reused"] for c in calls),
+        "ttft_mean_s": statistics.fmean(ttft),
+        "ttft_p90_s": p90(ttft),
+        "per_agent_ttft": {a: {"calls": len(v), "mean_s": statistics.fmean(v), "p90_s": p90(v)}
+                           for a, v in sorted(per_agent.items())},
+    }
 
 
 def run_variant(variant: Variant, engine_kwargs: dict[str, Any], fixed: dict[str, list[int]],
-                order: list[str], suffix_tokens: int, max_tokens: int) -> dict[str, Any]:
+                rounds: list[list[str]], suffix_tokens: int, max_tokens: int) -> dict[str, Any]:
     from kvbaton.backend import Engine
 
     engine = Engine(**engine_kwargs, **variant.options)
@@ -76,41 +106,99 @@ def run_variant(variant: Variant, engine_kwargs: dict[str, Any], fixed: dict[str
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     filler = engine.tokenize(document(200, seed=99))
     previous: list[int] = []
-    ttft: dict[str, list[float]] = {}
-    start = time.perf_counter()
-    for step, agent in enumerate(tqdm(order, desc=variant.key, unit="call", leave=False)):
-        if variant.hints:
-            engine.hints(graph, running=[agent])
-        dynamic = (previous + filler[step * 7 :])[:suffix_tokens]
-        result = engine.complete(fixed[agent] + dynamic, params, agent=agent)
-        ttft.setdefault(agent, []).append(result.timings.ttft_s)
-        previous = result.token_ids
-        engine.release(result.handle)
-    elapsed = time.perf_counter() - start
+    calls: list[dict[str, Any]] = []
+    round_seconds: list[float] = []
+    progress = tqdm(total=sum(map(len, rounds)), desc=variant.key, unit="call", leave=False)
+    step = 0
+    for index, agents in enumerate(rounds):
+        round_start = time.perf_counter()
+        for agent in agents:
+            call_start = time.perf_counter()
+            if variant.hints:
+                engine.hints(graph, running=[agent])
+            dynamic = (previous + filler[step * 7 :])[:suffix_tokens]
+            result = engine.complete(fixed[agent] + dynamic, params, agent=agent)
+            previous = result.token_ids
+            engine.release(result.handle)
+            calls.append({"round": index + 1, "agent": agent, "seconds": time.perf_counter() - call_start,
+                          "ttft_s": result.timings.ttft_s, "tokens_prefilled": result.timings.tokens_prefilled,
+                          "tokens_reused": result.timings.tokens_reused})
+            step += 1
+            progress.update()
+        round_seconds.append(time.perf_counter() - round_start)
+    progress.close()
     stats = engine.stats()
     engine.close()
-    all_ttft = [t for values in ttft.values() for t in values]
-    cache = stats.cache.model_dump() if stats.cache else None
+    per_round = []
+    for index, seconds in enumerate(round_seconds):
+        mine = [c for c in calls if c["round"] == index + 1]
+        summary = summarize(mine, seconds)
+        per_round.append({"round": index + 1, "executor": rounds[index][2], "seconds": seconds,
+                          "tokens_prefilled": summary["tokens_prefilled"], "tokens_reused": summary["tokens_reused"],
+                          "ttft_mean_s": summary["ttft_mean_s"], "ttft_p90_s": summary["ttft_p90_s"]})
+    steady = [c for c in calls if c["round"] > 1]
     return {
         "variant": variant.key,
         "label": variant.label,
-        "options": {k: v for k, v in variant.options.items()},
-        "end_to_end_s": elapsed,
-        "tokens_prefilled": stats.tokens_prefilled,
-        "tokens_reused": stats.tokens_reused,
-        "ttft_mean_s": statistics.fmean(all_ttft),
-        "ttft_p90_s": sorted(all_ttft)[min(len(all_ttft) - 1, int(0.9 * len(all_ttft)))],
-        "per_agent_ttft_mean_s": {a: statistics.fmean(v) for a, v in ttft.items()},
-        "cache": cache,
+        "options": dict(variant.options),
+        **summarize(calls, sum(round_seconds)),
+        "steady_state": summarize(steady, sum(round_seconds[1:])) if steady else None,
+        "rounds": per_round,
+        "call_log": calls,
+        "cache": stats.cache.model_dump() if stats.cache else None,
     }
 
 
-def run(rounds: int = 3, fixed_min: int = 1024, fixed_max: int = 2048, suffix_tokens: int = 32,
+def variants(tier_kind: str, big_tier: str, small_tier: str | None) -> list[Variant]:
+    out = [
+        Variant("a", "no prefix reuse", {"prefix_cache": False}, hints=False),
+        Variant("b", "radix + LRU, no slow tier", {"eviction": "lru"}, hints=False),
+        Variant("c", f"LRU + {tier_kind} tier, reactive load", {"eviction": "lru", "tiers": [big_tier],
+                                                                 "prefetch": False}, hints=False),
+        Variant("d", f"STE + {tier_kind} tier + prefetch", {"eviction": "ste", "tiers": [big_tier]}, hints=True),
+    ]
+    if small_tier is not None:
+        # (d) twice with a slow tier too small for what the device cannot hold: the only difference
+        # is the order in which the slow tier drops blocks.
+        out += [
+            Variant("d_bounded", f"STE + small {tier_kind} tier (STE order) + prefetch",
+                    {"eviction": "ste", "tiers": [small_tier], "tier_eviction": "ste"}, hints=True),
+            Variant("d_bounded_lru_tier", f"STE + small {tier_kind} tier (LRU order) + prefetch",
+                    {"eviction": "ste", "tiers": [small_tier], "tier_eviction": "lru"}, hints=True),
+        ]
+    return out
+
+
+def ratios(by_key: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Speed-ups of (d) over the baselines, and the bounded-tier ablation, for one set of summaries."""
+    d = by_key["d"]
+    out = {
+        "b_over_d": by_key["b"]["end_to_end_s"] / d["end_to_end_s"],
+        "c_over_d": by_key["c"]["end_to_end_s"] / d["end_to_end_s"],
+        "a_over_d": by_key["a"]["end_to_end_s"] / d["end_to_end_s"],
+        "c_p90_ttft_over_d": by_key["c"]["ttft_p90_s"] / d["ttft_p90_s"],
+    }
+    if "d_bounded" in by_key:
+        ste, lru, b = by_key["d_bounded"], by_key["d_bounded_lru_tier"], by_key["b"]
+        out["bounded_lru_tier_over_ste_tier"] = lru["end_to_end_s"] / ste["end_to_end_s"]
+        # Of the time the bounded (d) saves against (b), the part that LRU order in the slow tier
+        # would give back: the share of the gain due to STE ordering there.
+        gain = b["end_to_end_s"] - ste["end_to_end_s"]
+        if gain > 0:
+            out["bounded_ste_tier_share_of_gain_over_b"] = (lru["end_to_end_s"] - ste["end_to_end_s"]) / gain
+    return out
+
+
+def run(rounds: int = DEFAULT_ROUNDS, fixed_min: int = 1024, fixed_max: int = 2048, suffix_tokens: int = 32,
         max_tokens: int = 16, budget_fraction: float = 0.5, device: str = "cpu", model: str | None = None,
-        dtype: str = "float32", slow_tier: str = "auto", bounded: bool = False, seed: int = 0) -> dict[str, Any]:
+        dtype: str = "float32", slow_tier: str = "auto", bounded: bool = True, bounded_tier_fraction: float = 0.5,
+        seed: int = 0) -> dict[str, Any]:
     from kvbaton.backend import Engine
 
-    probe = Engine(model, dtype=dtype, device=device, kv_budget="1 blocks")
+    probe = Engine(model, dtype=dtype, device=device, kv_budget="16 blocks")
+    # One short call first, so process-wide first-use costs (lazy init, kernel setup) fall on no variant.
+    warmup = probe.complete(probe.tokenize(document(40, seed=98))[:48], SamplingParams(max_tokens=2, ignore_eos=True))
+    probe.release(warmup.handle)
     rng = random.Random(seed)
     fixed = {}
     for i, name in enumerate(AGENTS):
@@ -119,91 +207,128 @@ def run(rounds: int = 3, fixed_min: int = 1024, fixed_max: int = 2048, suffix_to
         fixed[name] = probe.tokenize(text)[:length]
     bytes_per_block = probe.pool.shape.bytes_per_block
     block_size = probe.block_size
+    model_name = probe.loaded.name
+    probe.close()
     total_fixed_blocks = sum(len(t) // block_size for t in fixed.values())
     budget_blocks = int(total_fixed_blocks * budget_fraction)
+    overflow_blocks = max(0, total_fixed_blocks - budget_blocks)
     tier_kind = ("host" if device.startswith("cuda") else "disk") if slow_tier == "auto" else slow_tier
     big_tier = f"{tier_kind}:{4 * total_fixed_blocks} blocks"
-    small_tier = f"{tier_kind}:{total_fixed_blocks // 4} blocks"
+    small_tier = f"{tier_kind}:{max(1, int(overflow_blocks * bounded_tier_fraction))} blocks" if bounded else None
     engine_kwargs = {"model": model, "dtype": dtype, "device": device, "kv_budget": f"{budget_blocks} blocks"}
-    variants = [
-        Variant("a", "no prefix reuse", {"prefix_cache": False}, hints=False),
-        Variant("b", "radix + LRU, no slow tier", {"eviction": "lru"}, hints=False),
-        Variant("c", f"LRU + {tier_kind} tier, reactive load", {"eviction": "lru", "tiers": [big_tier],
-                                                                 "prefetch": False}, hints=False),
-        Variant("d", f"STE + {tier_kind} tier + prefetch", {"eviction": "ste", "tiers": [big_tier]}, hints=True),
-    ]
-    if bounded:
-        variants += [
-            Variant("d_bounded", f"STE + small {tier_kind} tier (STE order)", {"eviction": "ste", "tiers": [small_tier]},
-                    hints=True),
-            Variant("d_bounded_lru_tier", f"STE + small {tier_kind} tier (LRU order)",
-                    {"eviction": "ste", "tiers": [small_tier], "tier_eviction": "lru"}, hints=True),
-        ]
-    order = schedule(rounds, seed)
-    rows = [run_variant(v, engine_kwargs, fixed, order, suffix_tokens, max_tokens)
-            for v in tqdm(variants, desc="workflow variants", unit="variant")]
-    by_key = {r["variant"]: r for r in rows}
-    ratios = {
-        "b_over_d": by_key["b"]["end_to_end_s"] / by_key["d"]["end_to_end_s"],
-        "c_over_d": by_key["c"]["end_to_end_s"] / by_key["d"]["end_to_end_s"],
-        "a_over_d": by_key["a"]["end_to_end_s"] / by_key["d"]["end_to_end_s"],
-    }
-    if bounded:
-        ratios["bounded_lru_tier_over_ste_tier"] = (
-            by_key["d_bounded_lru_tier"]["end_to_end_s"] / by_key["d_bounded"]["end_to_end_s"]
-        )
+    plan = schedule(rounds, seed)
+    rows = [run_variant(v, engine_kwargs, fixed, plan, suffix_tokens, max_tokens)
+            for v in tqdm(variants(tier_kind, big_tier, small_tier), desc="workflow variants", unit="variant")]
+    steady = {r["variant"]: r["steady_state"] for r in rows if r["steady_state"] is not None}
     return {
         "benchmark": "workflow",
-        "model": probe.loaded.name,
+        "model": model_name,
         "device": device,
         "dtype": dtype,
         "agents": len(AGENTS),
-        "calls": len(order),
+        "calls": sum(map(len, plan)),
         "rounds": rounds,
+        "executors_by_round": [agents[2] for agents in plan],
         "fixed_prompt_tokens": {a: len(t) for a, t in fixed.items()},
+        "suffix_tokens": suffix_tokens,
+        "max_tokens": max_tokens,
         "device_budget_blocks": budget_blocks,
         "fixed_prompt_blocks": total_fixed_blocks,
         "bytes_per_block": bytes_per_block,
         "slow_tier": big_tier,
-        "bounded_slow_tier": small_tier if bounded else None,
+        "bounded_slow_tier": small_tier,
         "machine": machine_info(),
         "rows": rows,
-        "ratios": ratios,
+        "ratios": ratios({r["variant"]: r for r in rows}),
+        "steady_state_ratios": ratios(steady) if len(steady) == len(rows) else None,
     }
 
 
+def _mean_p90(summary: dict[str, Any] | None) -> str:
+    return f"{summary['ttft_mean_s']:.3f} / {summary['ttft_p90_s']:.3f}" if summary else "-"
+
+
+def _ratio_line(title: str, values: dict[str, float] | None) -> str:
+    if values is None:
+        return f"{title}: - (needs --rounds >= 2)"
+    names = {"b_over_d": "(b)/(d)", "c_over_d": "(c)/(d)", "a_over_d": "(a)/(d)",
+             "c_p90_ttft_over_d": "p90 TTFT (c)/(d)",
+             "bounded_lru_tier_over_ste_tier": "bounded slow tier: LRU order / STE order",
+             "bounded_ste_tier_share_of_gain_over_b": "share of bounded (d)'s gain over (b) due to STE tier order"}
+    parts = [f"{names.get(k, k)} = {v:.0%}" if k.endswith("share_of_gain_over_b") else f"{names.get(k, k)} = {v:.2f}x"
+             for k, v in values.items()]
+    return f"{title}: " + ", ".join(parts)
+
+
 def table(payload: dict[str, Any]) -> str:
-    columns = ["variant", "end-to-end s", "prefilled tok", "TTFT mean s", "TTFT p90 s", "hits by tier (blocks)",
-               "prefetch hit rate"]
-    rows = []
-    for r in payload["rows"]:
+    rows = payload["rows"]
+    columns = ["variant", "all: e2e s", "all: prefilled tok", "all: TTFT mean / p90 s", "steady: e2e s",
+               "steady: prefilled tok", "steady: TTFT mean / p90 s", "hits by tier (blocks)", "prefetch hit rate"]
+    main_rows = []
+    for r in rows:
         cache = r["cache"] or {}
+        steady = r["steady_state"]
         hits = ", ".join(f"{k}={v}" for k, v in sorted((cache.get("hits_blocks") or {}).items())) or "-"
         rate = f"{cache['prefetch_hit_rate']:.2f}" if cache.get("blocks_prefetched") else "-"
-        rows.append([f"({r['variant']}) {r['label']}", r["end_to_end_s"], r["tokens_prefilled"], r["ttft_mean_s"],
-                     r["ttft_p90_s"], hits, rate])
-    ratios = ", ".join(f"{k} = {v:.2f}x" for k, v in payload["ratios"].items())
-    return format_table(columns, rows) + f"\n\nratios: {ratios}"
+        main_rows.append([f"({r['variant']}) {r['label']}", r["end_to_end_s"], r["tokens_prefilled"], _mean_p90(r),
+                          steady["end_to_end_s"] if steady else "-", steady["tokens_prefilled"] if steady else "-",
+                          _mean_p90(steady), hits, rate])
+    executors = payload["executors_by_round"]
+    round_columns = ["variant"] + [f"round {i + 1} ({e})" for i, e in enumerate(executors)]
+    round_rows = [[f"({r['variant']})"] + [f"{x['seconds']:.1f} s, {x['tokens_prefilled']} tok" for x in r["rounds"]]
+                  for r in rows]
+    parts = [
+        "All rounds and steady state (rounds after the first):",
+        format_table(columns, main_rows),
+        "",
+        "Per round (end-to-end seconds, prefilled tokens):",
+        format_table(round_columns, round_rows),
+    ]
+    if all(r["steady_state"] for r in rows):
+        agents = [a for a in AGENTS if any(a in r["steady_state"]["per_agent_ttft"] for r in rows)]
+        agent_rows = [[a] + [_agent_cell(r["steady_state"]["per_agent_ttft"].get(a)) for r in rows] for a in agents]
+        parts += ["", "Steady-state TTFT per agent, mean / p90 s (calls):",
+                  format_table(["agent"] + [f"({r['variant']})" for r in rows], agent_rows)]
+    parts += ["", _ratio_line("ratios, all rounds", payload["ratios"]),
+              _ratio_line("ratios, steady state", payload["steady_state_ratios"])]
+    return "\n".join(parts)
+
+
+def _agent_cell(entry: dict[str, Any] | None) -> str:
+    return f"{entry['mean_s']:.3f} / {entry['p90_s']:.3f} ({entry['calls']})" if entry else "-"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvbaton.bench workflow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                        help=f"trips around the cycle, 8 calls each (default {DEFAULT_ROUNDS}: the first is cold, "
+                             "the rest are the steady state)")
     parser.add_argument("--fixed-min", type=int, default=1024, help="shortest fixed prompt (tokens)")
     parser.add_argument("--fixed-max", type=int, default=2048, help="longest fixed prompt (tokens)")
-    parser.add_argument("--suffix-tokens", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--suffix-tokens", type=int, default=32, help="dynamic suffix per call (tokens)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per call")
     parser.add_argument("--budget-fraction", type=float, default=0.5, help="device KV budget / sum of fixed prompts")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]; on cuda the slow tier is pinned host RAM")
     parser.add_argument("--model", default=None, help="default model or a local checkpoint dir")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--slow-tier", default="auto", choices=["auto", "host", "disk"])
-    parser.add_argument("--bounded", action="store_true", help="also run the bounded-slow-tier ablation")
+    parser.add_argument("--slow-tier", default="auto", choices=["auto", "host", "disk"],
+                        help="auto: host RAM on cuda, disk on cpu")
+    parser.add_argument("--bounded", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the bounded-slow-tier ablation, STE vs LRU order in the slow tier (default: on)")
+    parser.add_argument("--bounded-tier-fraction", type=float, default=0.5,
+                        help="bounded slow tier capacity / fixed-prompt blocks that do not fit the device budget "
+                             "(default 0.5)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt lengths and the router's choices")
     parser.add_argument("--results-dir", default="results")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    if not 0 < args.bounded_tier_fraction < 1:
+        parser.error("--bounded-tier-fraction must be in (0, 1): the slow tier must be smaller than the overflow")
     payload = run(args.rounds, args.fixed_min, args.fixed_max, args.suffix_tokens, args.max_tokens,
-                  args.budget_fraction, args.device, args.model, args.dtype, args.slow_tier, args.bounded)
+                  args.budget_fraction, args.device, args.model, args.dtype, args.slow_tier, args.bounded,
+                  args.bounded_tier_fraction, args.seed)
     print(table(payload))
     name = "workflow" if args.device == "cpu" else f"workflow-{args.device.replace(':', '')}"
     print(f"\nwritten: {write_results(args.results_dir, name, payload)}")
