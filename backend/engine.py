@@ -826,7 +826,9 @@ class Engine:
                 raise InvalidRequest(f"handle {handle.id} already lives in this engine")
             self._released.pop(handle.id, None)
         if kv is None or num_cached == 0:
-            return self._prefill_registered(state, agent)
+            return self._prefill_registered(state, agent)  # recomputed densely: exact again
+        if not handle.exact:
+            state.exact_len = 0  # approximate K/V (compose) stay out of the prefix cache wherever they go
         try:
             with self._lock:
                 self._reserve(state, num_cached)

@@ -10,7 +10,8 @@ the end (a search that may backtrack), so the KV held at the end is the search's
     copy); a branch adds only its suffix and thought.
 
 Reported per b: KV held (MiB, blocks), its ratio, the ideal fork footprint (blocks of the context
-once plus each branch's own tokens), tokens prefilled and wall time.
+once plus each branch's own blocks, its first one a copy of the parent's partly filled block),
+tokens prefilled and wall time.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def _search(engine: Any, b: int, depth: int, context: list[int], params: Samplin
     if node is not None:
         alive.append(node)
     path = list(context)
-    branch_tokens = 0
+    block = before.block_size
+    branch_blocks = 0
     for level in range(depth):
         suffixes = [engine.tokenize(f"\nStep {level + 1}, idea {i + 1}:") for i in range(b)]
         starts = engine.fork(node, b) if node is not None else [None] * b
@@ -53,15 +55,15 @@ def _search(engine: Any, b: int, depth: int, context: list[int], params: Samplin
         with ThreadPoolExecutor(max_workers=b) as pool:
             results = list(pool.map(branch, range(b)))
         alive.extend(r.handle for r in results)
-        branch_tokens += sum(len(s) + len(r.token_ids) for s, r in zip(suffixes, results))
+        # each branch copies the parent's partly filled last block (copy-on-write), then adds its own tokens
+        partial = len(path) % block
+        branch_blocks += sum(-(-(partial + len(s) + len(r.token_ids)) // block) for s, r in zip(suffixes, results))
         path = path + suffixes[0] + results[0].token_ids
         node = results[0].handle if forks else None
     wall = time.perf_counter() - start
     after = engine.stats()
     engine.release(alive)
-    block = after.block_size
-    # context once, each branch's own tokens, one partially filled block per branch (copy-on-write)
-    ideal = -(-len(context) // block) + -(-branch_tokens // block) + b * depth
+    ideal = -(-len(context) // block) + branch_blocks  # the context once, then each branch's own blocks
     return {"wall_s": wall, "kv_bytes": after.pool_bytes_used, "kv_blocks": after.blocks_used,
             "tokens_prefilled": after.tokens_prefilled - before.tokens_prefilled, "ideal_fork_blocks": ideal,
             "bytes_per_block": after.bytes_per_block}

@@ -11,7 +11,10 @@ B, C and D are the reusing agents. For every method the same trajectory runs in 
 - ``lowrank``: low-rank anchors, context-free reference (non-chained);
 - ``lowrank_chained``: low-rank anchors, the source agent's cache as reference (KVCMAS).
 
-Reported per method and shared-context length: TTFT of the reusing agents (the composition, including
+Before the measured trajectories of each length, ``--warmup`` trajectories run only the anchor
+methods, so their pools hold anchors as they would in a long-running workflow (the first
+``min_anchors`` segments of every slot and edge are always prefilled densely). Reported per method and
+shared-context length: TTFT of the reusing agents (the composition, including
 any reference prefill, correction and dense fallback, up to the first token's logits), first-token
 agreement, greedy agreement over 32 tokens and mean KL against the dense method's handle of the same
 tokens, the reuse ratio (segment tokens not prefilled), the outcomes, and the anchor-pool memory.
@@ -63,6 +66,8 @@ def run(
     greedy_tokens: int = 32,
     note_tokens: int = 16,
     gate: dict[str, Any] | None = None,
+    warmup: int = 4,
+    results_dir: str | None = None,
 ) -> dict[str, Any]:
     from kvbaton.backend import Engine
 
@@ -79,7 +84,8 @@ def run(
     for length in lengths:
         per: dict[str, dict[str, list[Any]]] = {m: {"ttft": [], "first": [], "greedy": [], "kl": [], "reuse": [],
                                                     "outcomes": []} for m in methods}
-        for t in tqdm(range(trajectories), desc=f"correction {length} tokens", unit="trajectory"):
+        for t in tqdm(range(-warmup, trajectories), desc=f"correction {length} tokens", unit="trajectory"):
+            measured = t >= 0
             doc = engine.tokenize("<|im_start|>user\n" + document(int(length * 0.9) + 50, seed=1000 * length + t))[:length]
             if len(doc) < length:
                 raise RuntimeError("corpus too short for the requested length")
@@ -94,6 +100,8 @@ def run(
             note_a = a.segment(note_start, a.num_tokens, slot="note")
             handles: dict[str, dict[str, Any]] = {}
             for name, (mode, cfg) in methods.items():
+                if not measured and cfg is None:
+                    continue  # warm-up trajectories only fill the anchor pools
                 engine.flush_cache()
                 b = engine.compose(system["B"], [doc_a], asks["B"], agent="B", mode=mode, correction=cfg)
                 doc_b = b.handle.segment(len(system["B"]), len(system["B"]) + length, slot="document")
@@ -101,20 +109,23 @@ def run(
                 doc_c = c.handle.segment(len(system["C"]), len(system["C"]) + length, slot="document")
                 d = engine.compose(system["D"], [doc_c, note_a], asks["D"], agent="D", mode=mode, correction=cfg)
                 handles[name] = {"B": b, "C": c, "D": d}
-                for comp in (b, c, d):
+                for comp in (b, c, d) if measured else ():
                     seg_tokens = sum(s.end - s.start for s in comp.segments)
                     per[name]["ttft"].append(comp.compose_s)
                     per[name]["reuse"].append(sum(s.tokens_reused for s in comp.segments) / seg_tokens)
                     per[name]["outcomes"].extend(s.outcome for s in comp.segments)
             # Fidelity against the dense handles of the same tokens, all candidates decoding in one batch.
-            jobs = [(name, agent) for name in methods if name != "dense" for agent in "BCD"]
-            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            jobs = [(name, agent) for name in methods if name != "dense" for agent in "BCD"] if measured else []
+            with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
                 results = list(pool.map(
                     lambda job: engine.fidelity(
                         handles[job[0]][job[1]].handle, greedy_tokens, reference=handles["dense"][job[1]].handle
                     ),
                     jobs,
                 ))
+            for _, cfg in methods.values():
+                if cfg is not None:
+                    engine.anchor_pool(cfg).flush()  # anchors from this trajectory are ready for the next
             for (name, agent), fid in zip(jobs, results, strict=True):
                 per[name]["first"].append(fid.first_token_agrees)
                 per[name]["greedy"].append(fid.greedy_agreement)
@@ -123,7 +134,7 @@ def run(
                     samples.setdefault(str(length), {})[f"{name}/{agent}"] = {
                         "dense": engine.detokenize(fid.dense_token_ids), "method": engine.detokenize(fid.handle_token_ids)
                     }
-            for agent in "BCD":
+            for agent in "BCD" if measured else ():
                 per["dense"]["first"].append(True)
                 per["dense"]["greedy"].append(1.0)
                 per["dense"]["kl"].append(0.0)
@@ -137,6 +148,7 @@ def run(
                 "shared_tokens": length,
                 "method": name,
                 "trajectories": trajectories,
+                "warmup_trajectories": warmup,
                 "ttft_mean_s": ttft,
                 "ttft_p90_s": sorted(m["ttft"])[int(0.9 * (len(m["ttft"]) - 1))],
                 "speedup_vs_dense": dense_ttft / ttft,
@@ -151,9 +163,14 @@ def run(
         for name, (_, cfg) in methods.items():
             if cfg is not None:
                 engine.anchor_pool(cfg).clear()  # each length starts with empty pools
+        result = {"machine": machine_info(), "lengths": list(lengths), "trajectories": trajectories,
+                  "warmup": warmup, "greedy_tokens": greedy_tokens, "gate": gate or {}, "rows": rows,
+                  "samples": samples}
+        if results_dir is not None:  # after every length, so a long run keeps what it measured
+            write_results(results_dir, "correction", result)
+            print(table(result), flush=True)
     engine.close()
-    return {"machine": machine_info(), "lengths": list(lengths), "trajectories": trajectories,
-            "greedy_tokens": greedy_tokens, "gate": gate or {}, "rows": rows, "samples": samples}
+    return result
 
 
 def table(result: dict[str, Any]) -> str:
@@ -176,7 +193,9 @@ def main(argv: list[str] | None = None) -> None:
         "low-rank non-chained / low-rank chained; TTFT and fidelity side by side.",
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="shared-context tokens")
-    parser.add_argument("--trajectories", type=int, default=20, help="trajectories (documents) per length")
+    parser.add_argument("--trajectories", type=int, default=20, help="measured trajectories (documents) per length")
+    parser.add_argument("--warmup", type=int, default=4,
+                        help="trajectories per length that only fill the anchor pools (not measured)")
     parser.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens compared against dense")
     parser.add_argument("--entropy-threshold", type=float, help="gate: max normalized entropy of anchor weights")
     parser.add_argument("--temperature", type=float, help="softmax temperature of the anchor weights")
@@ -191,9 +210,9 @@ def main(argv: list[str] | None = None) -> None:
         "max_distance": args.max_distance, "min_anchors": args.min_anchors, "rank": args.rank,
         "pool_size": args.pool_size,
     }.items() if v is not None}
-    result = run(tuple(args.lengths), args.trajectories, args.greedy_tokens, gate=gate)
-    print(table(result))
-    print(f"wrote {write_results(args.results_dir, 'correction', result)}")
+    run(tuple(args.lengths), args.trajectories, args.greedy_tokens, gate=gate, warmup=args.warmup,
+        results_dir=args.results_dir)
+    print(f"wrote {args.results_dir}/correction.json")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def _workflow(payload: dict[str, Any], fig: Figure) -> None:
     ax.barh([f"({r['variant']}) {r['label']}" for r in rows], [r["end_to_end_s"] for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("end-to-end time (s)")
-    ax.set_title(f"{payload.get('agents', '?')}-agent workflow under a tight KV budget")
+    ax.set_title(f"{payload.get('agents', '?')}-agent workflow, tight KV budget", fontsize=10)
 
 
 def _adapter_overhead(payload: dict[str, Any], fig: Figure) -> None:
@@ -199,7 +199,7 @@ PLOTTERS: dict[str, Callable[[dict[str, Any], Figure], None]] = {
 def plot(payload: dict[str, Any], path: str | Path) -> Path:
     """Draw ``payload`` (a benchmark's JSON) to the PNG ``path``."""
     name = str(payload.get("benchmark", ""))
-    wide = name in ("scaling", "serve", "transfer", "correction")
+    wide = name in ("scaling", "serve", "transfer", "correction", "workflow")
     fig = plt.figure(figsize=(11 if wide else 7, 4.5))
     try:
         PLOTTERS.get(name, _generic)(payload, fig)
