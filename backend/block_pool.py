@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
 from kvbaton.errors import InvalidRequest, PoolExhausted
 
 

@@ -28,7 +28,6 @@ from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-
 from kvbaton.errors import (
     ContextTooLong,
     HandleNotFound,

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvbaton.errors import InvalidRequest, ModelNotFound
 from platformdirs import user_cache_dir
 from tqdm.auto import tqdm
-
-from kvbaton.errors import InvalidRequest, ModelNotFound
 
 log = logging.getLogger(__name__)
 

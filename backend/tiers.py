@@ -17,9 +17,8 @@ import zlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from kvbaton.errors import InvalidRequest
+from safetensors.torch import load_file, save_file
 
 from .block_pool import blocks_for_budget
 

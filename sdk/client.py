@@ -18,11 +18,11 @@ from typing import Any, Self
 
 from pydantic import ValidationError
 
+from .capabilities import KVBATON, Capabilities
 from .errors import InvalidRequest
 from .handle import Handle, Segment
-from .stream import AsyncTokenStream, TokenStream
-from .capabilities import KVBATON, Capabilities
 from .stepgraph import StepGraph
+from .stream import AsyncTokenStream, TokenStream
 from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, SamplingParams, Stats
 
 HandleLike = Handle | str

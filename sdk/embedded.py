@@ -11,8 +11,8 @@ import anyio
 from .capabilities import KVBATON, Capabilities
 from .client import AsyncClient, Client, Context, HandleLike, Messages, sampling_params, steps_map
 from .handle import Handle, Segment
-from .stream import AsyncTokenStream, TokenStream
 from .stepgraph import StepGraph
+from .stream import AsyncTokenStream, TokenStream
 from .types import AgentInfo, Composition, Fidelity, Result, SamplingParams, Stats
 
 

@@ -28,8 +28,8 @@ from .errors import (
     error_from_code,
 )
 from .handle import Handle, Segment
-from .stream import AsyncTokenStream, TokenStream
 from .stepgraph import StepGraph
+from .stream import AsyncTokenStream, TokenStream
 from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, SamplingParams, Stats, StreamChunk
 
 DEFAULT_TIMEOUT = 120.0

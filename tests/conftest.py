@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvbaton.backend import Engine, load_model
 from kvbaton.bench.corpus import document
 
@@ -46,4 +45,4 @@ def dense_greedy(model, tokens: list[int], n: int) -> tuple[list[int], torch.Ten
 
 
 # -- kvbaton serve subprocesses for the server tests (tests/server_fixtures.py) ---------------------
-from server_fixtures import secure_server, server, server_processes  # noqa: E402,F401
+from server_fixtures import secure_server, server, server_processes  # noqa: F401

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 from conftest import dense_greedy
-
 from kvbaton import SamplingParams
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from conftest import dense_greedy
-
 from kvbaton import SamplingParams
 
 GREEDY_16 = SamplingParams(max_tokens=16, ignore_eos=True)

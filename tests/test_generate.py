@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from conftest import dense_greedy
-
 from kvbaton import SamplingParams
 
 SYSTEM = {"role": "system", "content": "You are a careful analyst. Answer in one short sentence."}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from conftest import dense_greedy
-
 from kvbaton import SamplingParams, StepGraph
 from kvbaton.backend import Engine
 from kvbaton.backend.block_pool import BlockPool, PoolShape

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import kvbaton
 import pytest
 import torch
 from conftest import dense_greedy
-
-import kvbaton
 from kvbaton.backend.correction import AnchorPool, CorrectionConfig
 from kvbaton.backend.rotary import check_shiftable
 from kvbaton.bench.corpus import document

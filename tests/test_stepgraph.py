@@ -11,10 +11,9 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
-
 from kvbaton.errors import InvalidRequest
 from kvbaton.stepgraph import StepGraph, StepGraphSpec
+from pydantic import ValidationError
 
 inf = math.inf
 

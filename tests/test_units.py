@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvbaton import Handle, InvalidRequest, PoolExhausted
 from kvbaton.backend.block_pool import BlockPool, PoolShape, blocks_for_budget
 

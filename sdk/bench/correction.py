@@ -29,11 +29,10 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from kvbaton import SamplingParams
 from kvbaton.bench.common import format_table, machine_info, write_results
 from kvbaton.bench.corpus import document
+from tqdm.auto import tqdm
 
 METHODS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "dense": ("dense", None),

@@ -14,11 +14,10 @@ import time
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
-
 from kvbaton import SamplingParams
 from kvbaton.bench.common import format_table, machine_info, write_results
 from kvbaton.bench.corpus import document
+from tqdm.auto import tqdm
 
 
 def _hf_decode_ms(model: Any, context: list[int], steps: int) -> float:

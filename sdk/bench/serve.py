@@ -23,10 +23,9 @@ import threading
 import time
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from kvbaton.bench.common import format_table, machine_info, write_results
 from kvbaton.bench.corpus import QUESTIONS, document
+from tqdm.auto import tqdm
 
 
 def _free_port() -> int:

@@ -12,11 +12,10 @@ import argparse
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
-
 from kvbaton import SamplingParams
 from kvbaton.bench.common import format_table, machine_info, median_time, write_results
 from kvbaton.bench.corpus import QUESTIONS, document
+from tqdm.auto import tqdm
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 
@@ -33,7 +32,7 @@ def run(lengths: tuple[int, ...] = DEFAULT_LENGTHS, repeats: int = 3, with_hf: b
     first = SamplingParams(max_tokens=1, ignore_eos=True)
     two = SamplingParams(max_tokens=2, ignore_eos=True)
     hf = load_model(attn_implementation="sdpa").model if with_hf else None
-    release = lambda result: engine.release(result.handle)  # noqa: E731
+    release = lambda result: engine.release(result.handle)
 
     # Warm up allocator and kernels so the first measured row is not penalised.
     warm = engine.materialize(corpus[:64])
