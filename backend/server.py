@@ -835,6 +835,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         """Compare a handle's continuation with dense prefill of its tokens."""
         tenant = _tenant(request)
         state.check_owned(tenant, [body.handle, *([body.reference] if body.reference else [])])
+        state.sampling({"max_tokens": body.max_tokens})  # the server's max_tokens cap holds here too
         return await state.run(engine.fidelity, body.handle, body.max_tokens, reference=body.reference)
 
     async def generation(

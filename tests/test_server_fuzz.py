@@ -27,6 +27,10 @@ NATIVE = [
     "POST /v1/kv/chat_tokens",
     "POST /v1/kv/agents",
     "POST /v1/kv/hints",
+    "POST /v1/kv/compose",
+    "POST /v1/kv/merge",
+    "POST /v1/kv/fidelity",
+    "POST /v1/kv/transfer",
 ]
 OPENAI = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models/{model_id}"]
 NO_INPUT = {"POST /v1/kv/release_all", "GET /v1/kv/stats", "GET /v1/models/{model_id}"}  # nothing to make invalid
