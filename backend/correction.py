@@ -24,6 +24,7 @@ per (layer >= 1, K or V), keys re-aligned to start at position 0, stacked as ``[
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Hashable
@@ -34,6 +35,7 @@ from typing import Literal
 import torch
 from kvbaton.errors import InvalidRequest
 
+log = logging.getLogger(__name__)
 Method = Literal["lowrank", "full"]
 _DISTANCE_ROWS = 256  # token rows sampled to compare references: plenty to rank anchors, cheap at 4K tokens
 
@@ -172,7 +174,8 @@ class AnchorPool:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbaton-anchors")
             future = self._worker.submit(self._build, key, reference, exact)
-            self._pending.append(future)
+            future.add_done_callback(_log_failure)
+            self._pending = [f for f in self._pending if not f.done()] + [future]
         if wait:
             future.result()
 
@@ -220,6 +223,11 @@ class AnchorPool:
     def clear(self) -> None:
         with self._lock:
             self._pools.clear()
+
+
+def _log_failure(future: Future[None]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("building a correction anchor failed; the pool goes on without it", exc_info=future.exception())
 
 
 def _distance(reference: torch.Tensor, anchor: Anchor) -> float:
