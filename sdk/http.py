@@ -128,6 +128,17 @@ def _compose_body(
     return _tagged(body, agent)
 
 
+def _merge_body(
+    parts: Sequence[Segment | Handle], agent: str | None, mode: str, correction: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    return _tagged({"parts": _segments(parts), "mode": mode, "correction": _opt_mapping(correction)}, agent)
+
+
+def _fidelity_body(handle: HandleLike, max_tokens: int, reference: HandleLike | None) -> dict[str, Any]:
+    return {"handle": _handle_ref(handle), "max_tokens": max_tokens,
+            "reference": None if reference is None else _handle_ref(reference)}
+
+
 def _handle_refs(handles: HandleLike | Iterable[HandleLike]) -> list[Any]:
     items = [handles] if isinstance(handles, Handle | str) else list(handles)
     return [_handle_ref(h) for h in items]
@@ -336,12 +347,11 @@ class HttpClient(Client):
         self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
-        body = _tagged({"parts": _segments(parts), "mode": mode, "correction": _opt_mapping(correction)}, agent)
+        body = _merge_body(parts, agent, mode, correction)
         return Composition.model_validate(self._request("POST", "/v1/kv/merge", body))
 
     def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
-        body = {"handle": _handle_ref(handle), "max_tokens": max_tokens,
-                "reference": None if reference is None else _handle_ref(reference)}
+        body = _fidelity_body(handle, max_tokens, reference)
         return Fidelity.model_validate(self._request("POST", "/v1/kv/fidelity", body))
 
     def resume(
@@ -553,14 +563,13 @@ class AsyncHttpClient(AsyncClient):
         self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
-        body = _tagged({"parts": _segments(parts), "mode": mode, "correction": _opt_mapping(correction)}, agent)
+        body = _merge_body(parts, agent, mode, correction)
         return Composition.model_validate(await self._request("POST", "/v1/kv/merge", body))
 
     async def fidelity(
         self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None
     ) -> Fidelity:
-        body = {"handle": _handle_ref(handle), "max_tokens": max_tokens,
-                "reference": None if reference is None else _handle_ref(reference)}
+        body = _fidelity_body(handle, max_tokens, reference)
         return Fidelity.model_validate(await self._request("POST", "/v1/kv/fidelity", body))
 
     async def resume(
