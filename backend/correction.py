@@ -56,6 +56,10 @@ class CorrectionConfig:
     entropy_threshold: float = 1.0
     temperature: float = 1.0
     max_distance: float = 0.75
+    # Confidence gate, checked after the composition: when the next token's top-2 logit margin is
+    # below this, an approximation could flip the answer, so the approximated part is recomputed
+    # densely (0 turns it off). Measured in docs/results.md: flips happen at small margins.
+    min_margin: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in ("lowrank", "full"):
@@ -64,6 +68,8 @@ class CorrectionConfig:
             raise InvalidRequest("rank, pool_size and min_anchors must be positive")
         if not 0 <= self.entropy_threshold <= 1 or self.temperature <= 0 or self.max_distance <= 0:
             raise InvalidRequest("entropy_threshold must be in [0, 1]; temperature and max_distance > 0")
+        if self.min_margin < 0:
+            raise InvalidRequest("min_margin must be >= 0 (0 turns the confidence gate off)")
 
 
 class Factors:

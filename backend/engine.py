@@ -112,6 +112,7 @@ class Engine:
         prefetch: bool = True,
         lookahead: int = DEFAULT_LOOKAHEAD,
         correction: CorrectionConfig | dict[str, Any] | None = None,
+        fast_decode: bool = True,
     ) -> None:
         if block_size < 1 or prefill_chunk < 1 or lookahead < 0:
             raise InvalidRequest("block_size and prefill_chunk must be positive, lookahead >= 0")
@@ -123,7 +124,7 @@ class Engine:
         lm = self.loaded
         shape = PoolShape(lm.num_layers, lm.num_kv_heads, lm.head_dim, block_size, lm.dtype)
         self.pool = BlockPool(shape, blocks_for_budget(kv_budget, shape.bytes_per_block), lm.device)
-        self.runner = ModelRunner(lm, self.pool)
+        self.runner = ModelRunner(lm, self.pool, fast_decode=fast_decode)
         self.scheduler = Scheduler(self.runner, max_batch_tokens=max(max_batch_tokens, prefill_chunk))
         # The worker threads keep the pool alive: stop them when an unclosed engine is collected.
         weakref.finalize(self, self.scheduler.close)
@@ -507,7 +508,18 @@ class Engine:
                 if report.outcome in ("rotated", "corrected") and state.exact_len is None:
                     state.exact_len = offset
                 reports.append(report)
-            self._compute_until(state, state.num_tokens)
+            logits = self._compute_until(state, state.num_tokens)
+            margin = None
+            if state.exact_len is not None:
+                if logits is None and mode == "auto":
+                    # The prompt ends inside an approximated segment: recompute its last token for the logits.
+                    state.num_cached -= 1
+                    logits = self._compute_until(state, state.num_tokens)
+                if logits is not None:
+                    top = torch.topk(logits, 2).values
+                    margin = float(top[0] - top[1])
+                if margin is not None and mode == "auto" and margin < pool.config.min_margin:
+                    reports = self._recompute_unsure(state, reports, margin, pool.config.min_margin)
             # Segments found in the prefix cache are already counted in reused_before.
             reused = reused_before + sum(r.tokens_reused for r in reports if r.offset >= reused_before)
             with self._lock:
@@ -530,7 +542,26 @@ class Engine:
             tokens_reused=reused,
             tokens_prefilled=state.num_tokens - reused,
             compose_s=time.perf_counter() - t0,
+            margin=margin,
         )
+
+    def _recompute_unsure(
+        self, state: KVState, reports: list[SegmentReport], margin: float, threshold: float
+    ) -> list[SegmentReport]:
+        """Confidence gate: prefill densely everything from the first approximated position (lock not held).
+
+        Those blocks are private to ``state`` (written by this composition), so they are overwritten in place.
+        """
+        start = state.exact_len
+        assert start is not None
+        state.num_cached, state.exact_len, state.last_logits = start, None, None
+        self._compute_until(state, state.num_tokens)
+        why = f"low confidence: next-token margin {margin:.2f} < min_margin {threshold:g} after correction; "
+        return [
+            r.model_copy(update={"outcome": "recomputed", "reason": why + r.reason, "tokens_reused": 0})
+            if r.offset >= start else r
+            for r in reports
+        ]
 
     def anchor_pool(self, correction: CorrectionConfig | dict[str, Any] | None = None) -> AnchorPool:
         """The anchor pools used with ``correction`` settings (the engine's own by default)."""

@@ -14,6 +14,7 @@ import torch
 
 from .attention import BATCH_KWARG, AttentionBatch, build_seq_attention
 from .block_pool import BlockPool
+from .fast_decode import FastDecoder
 from .loader import LoadedModel
 
 
@@ -28,16 +29,21 @@ class Chunk:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, pool: BlockPool) -> None:
+    def __init__(self, loaded: LoadedModel, pool: BlockPool, fast_decode: bool = True) -> None:
         self.loaded = loaded
         self.pool = pool
         self._model = loaded.model
         self._device = loaded.device
+        self.fast: FastDecoder | None = FastDecoder.build(loaded, pool) if fast_decode else None
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
         """Write the chunks' K/V into the pool; return fp32 logits per chunk: ``[vocab]`` for its last
         token, or ``[tokens, vocab]`` when the chunk asks for all of them."""
+        if self.fast is not None and all(len(c.token_ids) == 1 and not c.all_logits for c in chunks):
+            logits = self.fast.forward([c.blocks for c in chunks], [c.start for c in chunks],
+                                       [c.token_ids[0] for c in chunks])
+            return list(logits)
         input_ids: list[int] = []
         positions: list[int] = []
         seqs = []

@@ -62,6 +62,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     eng.add_argument("--prefill-chunk", type=int, default=512,
                      help="most tokens per prefill forward; bounds how long a prompt stalls others (default 512)")
+    eng.add_argument("--no-fast-decode", action="store_true",
+                     help="decode through the model's own forward instead of kvbaton's fused decode step "
+                     "(saves the packed copy of the weights; docs/engine.md)")
     multi = parser.add_argument_group("multi-device (docs/multidevice.md)")
     multi.add_argument("--devices", default=None, metavar="DEV,DEV,...",
                        help="one worker process per listed device, e.g. cuda:0,cuda:1 (or cpu,cpu); KV moves "
@@ -124,6 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
         "eviction": args.eviction,
         "tiers": args.tiers or (),
         "lookahead": args.lookahead,
+        "fast_decode": not args.no_fast_decode,
     }
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
     world = args.world_size

@@ -214,6 +214,11 @@ class Composition(BaseModel):
     tokens_reused: int
     tokens_prefilled: int
     compose_s: float = Field(description="Wall time of the composition, prefill of the remainder included.")
+    margin: float | None = Field(
+        default=None,
+        description="Top-1 minus top-2 next-token logit after the approximated prompt (before any confidence "
+        "fallback); None when nothing was approximated.",
+    )
 
 
 class Fidelity(BaseModel):

@@ -78,22 +78,45 @@ def test_every_segment_forced_dense_equals_dense_prefill(engine, reference):
     assert greedy(engine, composed.handle) == expected
 
 
-def test_gate_falls_back_to_dense_until_two_anchors_then_corrects(engine):
+def _compose_three(engine, cfg: dict) -> list:
+    """Compose the same slot behind a reviewer's prefix for three documents; the compositions."""
     sys_a, sys_b = system(engine, SYSTEM_A), system(engine, SYSTEM_B)
-    cfg = {"min_anchors": 2, "max_distance": 100.0}  # accept any match once two anchors exist
-    outcomes = []
+    out = []
     for seed in range(3):
         doc = shared_doc(engine, 10 + seed, 64)
         a = engine.materialize(sys_a + doc, agent="planner")
-        out = engine.compose(
-            sys_b, [a.segment(len(sys_a), len(sys_a) + len(doc), slot="notes")], agent="reviewer", correction=cfg
-        )
-        outcomes.append((out.segments[0].outcome, out.segments[0].anchors, out.exact))
+        out.append(engine.compose(
+            sys_b, [a.segment(len(sys_a), len(sys_a) + len(doc), slot="notes")], QUESTION, agent="reviewer",
+            correction=cfg,
+        ))
         engine.anchor_pool(cfg).flush()  # anchors are built in the background
+    return out
+
+
+def test_gate_falls_back_to_dense_until_two_anchors_then_corrects(engine):
+    # Any match is accepted once two anchors exist; the confidence gate is off.
+    cfg = {"min_anchors": 2, "max_distance": 100.0, "min_margin": 0.0}
+    outcomes = [(c.segments[0].outcome, c.segments[0].anchors, c.exact) for c in _compose_three(engine, cfg)]
     assert outcomes[0] == ("recomputed", 0, True)
     assert outcomes[1] == ("recomputed", 1, True)
     assert outcomes[2][:2] == ("corrected", 2) and outcomes[2][2] is False
     assert engine.anchor_pool(cfg).num_anchors == 2  # accepted corrections are not added back
+
+
+def test_confidence_gate_recomputes_a_correction_whose_next_token_is_unsure(engine, reference):
+    kept = _compose_three(engine, {"min_anchors": 2, "max_distance": 100.0, "min_margin": 0.0})[2]
+    assert kept.segments[0].outcome == "corrected" and kept.margin is not None and kept.margin > 0
+    # The same composition with a gate above its margin: recomputed densely, exact, and it says why.
+    engine.flush_cache()  # the dense fallbacks above are in the prefix cache: start from nothing again
+    gated = _compose_three(engine, {"min_anchors": 2, "max_distance": 100.0, "min_margin": kept.margin + 1})[2]
+    report = gated.segments[0]
+    assert report.outcome == "recomputed" and report.tokens_reused == 0
+    assert report.reason.startswith("low confidence: next-token margin")
+    assert gated.exact and gated.handle.exact and gated.margin == pytest.approx(kept.margin, abs=1e-4)
+    expected, _ = dense_greedy(reference, gated.handle.token_ids(), 8)
+    assert greedy(engine, gated.handle) == expected
+    with pytest.raises(InvalidRequest):
+        CorrectionConfig(min_margin=-1)
 
 
 def test_fallback_reports_why(engine):

@@ -9,7 +9,9 @@ B, C and D are the reusing agents. For every method the same trajectory runs in 
 - ``rotate``: cached keys re-aligned to the new positions, no correction;
 - ``full``: KVCOMM-like full-dimensional anchors, context-free reference (non-chained);
 - ``lowrank``: low-rank anchors, context-free reference (non-chained);
-- ``lowrank_chained``: low-rank anchors, the source agent's cache as reference (KVCMAS).
+- ``lowrank_chained``: low-rank anchors, the source agent's cache as reference (KVCMAS);
+- ``lowrank_chained_nogate``: the same without the confidence gate (``min_margin=0``); its per-prompt
+  next-token margins and agreements also show what each gate threshold would recompute and catch.
 
 Before the measured trajectories of each length, ``--warmup`` trajectories run only the anchor
 methods, so their pools hold anchors as they would in a long-running workflow (the first
@@ -40,7 +42,10 @@ METHODS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "full": ("auto", {"method": "full", "chained": False}),
     "lowrank": ("auto", {"method": "lowrank", "chained": False}),
     "lowrank_chained": ("auto", {"method": "lowrank", "chained": True}),
+    # The same without the confidence gate: what the margin gate buys, and data to choose its threshold.
+    "lowrank_chained_nogate": ("auto", {"method": "lowrank", "chained": True, "min_margin": 0.0}),
 }
+MARGINS = (0.5, 1.0, 1.5, 2.0, 3.0)
 SYSTEMS = {
     "A": "You are the planner. Read the meeting notes and write a short numbered plan for the week.",
     "B": "You are the reviewer. You check plans for risks, missing owners and unrealistic dates.",
@@ -67,6 +72,7 @@ def run(
     gate: dict[str, Any] | None = None,
     warmup: int = 4,
     results_dir: str | None = None,
+    only: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from kvbaton.backend import Engine
 
@@ -75,14 +81,19 @@ def run(
         a: engine.chat_tokens([{"role": "system", "content": s}], add_generation_prompt=False) for a, s in SYSTEMS.items()
     }
     asks = {a: _turn(engine, q) for a, q in ASKS.items()}
+    unknown = set(only) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {list(METHODS)}")
+    # The method's own settings win over the command line's gate (the no-gate ablation stays ungated).
     methods = {
-        name: (mode, None if cfg is None else {**cfg, **(gate or {})}) for name, (mode, cfg) in METHODS.items()
+        name: (mode, None if cfg is None else {**(gate or {}), **cfg})
+        for name, (mode, cfg) in METHODS.items() if not only or name in only or name == "dense"
     }
     rows: list[dict[str, Any]] = []
     samples: dict[str, Any] = {}
     for length in lengths:
         per: dict[str, dict[str, list[Any]]] = {m: {"ttft": [], "first": [], "greedy": [], "kl": [], "reuse": [],
-                                                    "outcomes": []} for m in methods}
+                                                    "outcomes": [], "margin": []} for m in methods}
         for t in tqdm(range(-warmup, trajectories), desc=f"correction {length} tokens", unit="trajectory"):
             measured = t >= 0
             doc = engine.tokenize("<|im_start|>user\n" + document(int(length * 0.9) + 50, seed=1000 * length + t))[:length]
@@ -113,6 +124,7 @@ def run(
                     per[name]["ttft"].append(comp.compose_s)
                     per[name]["reuse"].append(sum(s.tokens_reused for s in comp.segments) / seg_tokens)
                     per[name]["outcomes"].extend(s.outcome for s in comp.segments)
+                    per[name]["margin"].append(comp.margin)
             # Fidelity against the dense handles of the same tokens, all candidates decoding in one batch.
             jobs = [(name, agent) for name in methods if name != "dense" for agent in "BCD"] if measured else []
             with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
@@ -158,18 +170,42 @@ def run(
                 "outcomes": dict(Counter(m["outcomes"])),
                 "anchor_pool_bytes": pool_bytes,
                 "anchors": engine.anchor_pool(cfg).num_anchors if cfg is not None else 0,
+                "margins": m["margin"],
+                "first_token_agrees": m["first"],
             })
         for name, (_, cfg) in methods.items():
             if cfg is not None:
                 engine.anchor_pool(cfg).clear()  # each length starts with empty pools
         result = {"machine": machine_info(), "lengths": list(lengths), "trajectories": trajectories,
                   "warmup": warmup, "greedy_tokens": greedy_tokens, "gate": gate or {}, "rows": rows,
-                  "samples": samples}
+                  "margin_analysis": margin_analysis(rows), "samples": samples}
         if results_dir is not None:  # after every length, so a long run keeps what it measured
             write_results(results_dir, "correction", result)
             print(table(result), flush=True)
     engine.close()
     return result
+
+
+def margin_analysis(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For the ungated method: what a confidence gate at each threshold would recompute and agree on.
+
+    A prompt whose approximated composition has a next-token margin below the threshold would be
+    recomputed densely (agreeing by construction); the others keep their measured agreement.
+    """
+    out = []
+    for row in rows:
+        if row["method"] != "lowrank_chained_nogate":
+            continue
+        pairs = [(m, a) for m, a in zip(row["margins"], row["first_token_agrees"], strict=True) if m is not None]
+        for threshold in MARGINS:
+            below = [a for m, a in pairs if m < threshold]
+            above = [a for m, a in pairs if m >= threshold]
+            total = len(row["first_token_agrees"])
+            out.append({"shared_tokens": row["shared_tokens"], "min_margin": threshold,
+                        "recomputed_share": len(below) / total if total else 0.0,
+                        "first_token_agreement": (total - len(pairs) + len(below) + sum(above)) / total if total else 1.0,
+                        "disagreements_below": sum(not a for a in below)})
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
@@ -182,7 +218,13 @@ def table(result: dict[str, Any]) -> str:
          " ".join(f"{k}:{v}" for k, v in sorted(r["outcomes"].items()))]
         for r in result["rows"]
     ]
-    return format_table(columns, rows)
+    text = format_table(columns, rows)
+    if result.get("margin_analysis"):
+        text += "\n\nconfidence gate thresholds, simulated on lowrank_chained_nogate:\n" + format_table(
+            ["shared", "min_margin", "recomputed", "1st tok", "flips caught"],
+            [[a["shared_tokens"], a["min_margin"], f"{100 * a['recomputed_share']:.0f}%",
+              f"{100 * a['first_token_agreement']:.0f}%", a["disagreements_below"]] for a in result["margin_analysis"]])
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,15 +244,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-anchors", type=int, help="gate: anchors needed before correcting")
     parser.add_argument("--rank", type=int, help="rank of the low-rank anchors")
     parser.add_argument("--pool-size", type=int, help="anchors kept per slot and edge")
+    parser.add_argument("--min-margin", type=float,
+                        help="confidence gate: next-token top-2 logit margin below which compose recomputes densely")
+    parser.add_argument("--methods", nargs="+", default=(), choices=list(METHODS),
+                        help="methods to run (dense always runs: it is the reference); default all")
     parser.add_argument("--results-dir", default="results", help="where the JSON goes")
     args = parser.parse_args(argv)
     gate = {k: v for k, v in {
         "entropy_threshold": args.entropy_threshold, "temperature": args.temperature,
         "max_distance": args.max_distance, "min_anchors": args.min_anchors, "rank": args.rank,
-        "pool_size": args.pool_size,
+        "pool_size": args.pool_size, "min_margin": args.min_margin,
     }.items() if v is not None}
     run(tuple(args.lengths), args.trajectories, args.greedy_tokens, gate=gate, warmup=args.warmup,
-        results_dir=args.results_dir)
+        results_dir=args.results_dir, only=tuple(args.methods))
     print(f"wrote {args.results_dir}/correction.json")
 
 

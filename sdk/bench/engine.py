@@ -3,7 +3,12 @@
 - prefill tokens/s at 512 and 2048 tokens (kvbaton paged prefill vs ``model(input_ids)``);
 - decode ms/token at 512 and 4K context (kvbaton vs transformers with its own KV cache);
 - decode tokens/s with 1, 8 and 32 concurrent sequences (kvbaton continuous batching; the
-  transformers column decodes the same sequences one after another, as a simple loop would).
+  transformers column decodes the same sequences one after another, as a simple loop would);
+- the weights-read floor: one row pushed through every decode weight matrix, i.e. what a decode
+  step costs in memory traffic alone on this machine (no attention, no framework).
+
+kvbaton decodes with its fused decode step (``kvbaton.backend.fast_decode``); prefill runs the
+model's own forward with paged attention.
 """
 
 from __future__ import annotations
@@ -45,12 +50,35 @@ def _hf_prefill_tps(model: Any, tokens: list[int], repeats: int) -> float:
     return len(tokens) / min(times)
 
 
+def _weight_read_ms(engine: Any, repeats: int = 5) -> float | None:
+    """One pass of a single row through every decode weight matrix: the memory-bandwidth floor of a step."""
+    fast = engine.runner.fast
+    if fast is None:
+        return None
+    w = fast.weights
+    mats = [w.lm_head] + [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    rows = {}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for m in mats:
+                width = m.in_features
+                x = rows.get(width)
+                if x is None:
+                    x = rows[width] = torch.ones(1, width, dtype=engine.loaded.dtype)
+                m(x)
+            best = min(best, time.perf_counter() - start)
+    return best * 1000
+
+
 def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repeats: int = 2,
         concurrency: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
     from kvbaton.backend import Engine, load_model
 
     rows: list[dict[str, Any]] = []
     agreement: dict[str, float] = {}
+    floor: dict[str, float | None] = {}
     for dtype in dtypes:
         engine = Engine(dtype=dtype, kv_budget="3GiB", prefix_cache=False)
         hf = load_model(dtype=dtype, attn_implementation="sdpa").model
@@ -96,6 +124,7 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
             rows.append({"dtype": dtype, "metric": f"decode tok/s x{k} seqs",
                          "kvbaton": k * (steps + 1) / elapsed, "transformers": 1000 / hf_ms})
             bar.update()
+        floor[dtype] = _weight_read_ms(engine)
         agreement[dtype] = _greedy_agreement(engine, hf, corpus, steps)
         bar.close()
         engine.close()
@@ -107,7 +136,7 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
         if row["metric"].startswith("decode tok/s x"):
             row["vs_one_sequence"] = row["kvbaton"] / single[row["dtype"]]
     return {"benchmark": "engine", "machine": machine_info(), "steps": steps, "rows": rows,
-            "greedy_agreement_vs_transformers": agreement}
+            "greedy_agreement_vs_transformers": agreement, "weights_read_floor_ms": floor}
 
 
 def _greedy_agreement(engine: Any, hf: Any, corpus: list[int], steps: int, prompts: int = 3) -> float:
@@ -145,4 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(payload))
     for dtype, value in payload["greedy_agreement_vs_transformers"].items():
         print(f"greedy agreement with transformers ({dtype}): {value:.1%} of tokens before the first difference")
+    for dtype, ms in payload["weights_read_floor_ms"].items():
+        if ms is not None:
+            print(f"weights-read floor ({dtype}): {ms:.1f} ms per decode step (one row through every decode matrix)")
     print(f"\nwritten: {write_results(args.results_dir, 'engine', payload)}")

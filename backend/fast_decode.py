@@ -1,0 +1,237 @@
+"""Decode steps without the framework's per-layer overhead.
+
+Once prefill is shared, a multi-agent workflow spends its time decoding, and a decode step of a
+small model is not bound by arithmetic (one token of the default model is ~0.3 GFLOP): it is bound
+by reading the weights and by the Python and dispatch work of the Hugging Face module stack (tens
+of module calls, hooks and shape checks per layer). This module runs the decode step of a
+llama-family model as a short, explicit sequence of tensor operations over the *same* weights:
+
+- q/k/v and gate/up projections fused into one matrix each, and on CPU every matrix pre-packed
+  once for oneDNN (the layout its GEMM kernels want), which reads the weights at close to memory
+  bandwidth instead of re-laying them out on every call;
+- K/V of all sequences in the step written into the block pool with one indexed copy per layer;
+- attention over each sequence's blocks as a view when they are consecutive (no gather of the
+  context into fresh tensors), with the query heads of a K/V head grouped as one multi-query
+  attention (no repetition of K/V for grouped-query attention);
+- the RMSNorm, rotary and activation modules of the Hugging Face model itself, so the architecture
+  still comes from its definition.
+
+Prefill (and any step that needs more than one token's logits) still runs the Hugging Face model
+(``ModelRunner``). Models this module does not know fall back to it too, logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .block_pool import BlockPool
+from .loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+# The decoder layers of these families share one structure (pre-norm attention + gated MLP).
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# oneDNN packs a weight for an expected batch size; 8 was fastest for 1..32 rows on the 2-core CI VM.
+_PACK_BATCH = 8
+_REFUSED: set[str] = set()  # reasons already logged
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why the fast path cannot run this model (None: it can)."""
+    name = type(model).__name__
+    if name not in SUPPORTED:
+        return f"{name} is not one of {', '.join(SUPPORTED)}"
+    config = model.config
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
+    return None
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH)
+
+
+def packing_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when oneDNN weight packing works here and gives F.linear's results; else why not."""
+    if device.type != "cpu":
+        return f"no packed kernels for {device.type}"
+    if not torch.backends.mkldnn.is_available():
+        return "PyTorch was built without oneDNN"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no oneDNN bfloat16 kernels"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"no packed kernels for {dtype}"
+    try:
+        w = torch.randn(24, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+        x = torch.ones(3, 16, dtype=dtype)
+        got = torch.ops.mkldnn._linear_pointwise(x, _pack(w), None, "none", [], "")
+    except Exception as exc:  # an op missing from this build, an unsupported ISA
+        return f"oneDNN packing failed: {exc}"
+    if not torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2):
+        return "oneDNN packed linear disagrees with F.linear"
+    return None
+
+
+class _Linear:
+    """``y = x W^T (+ b)`` over one or more weight matrices concatenated along the output."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module], packed: bool) -> None:
+        weights = [m.weight.detach() for m in modules]
+        biases = [m.bias for m in modules]
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        self.in_features = weight.shape[1]
+        self.bias = None
+        if any(b is not None for b in biases):
+            parts = [b.detach() if b is not None else weight.new_zeros(w.shape[0]) for b, w in zip(biases, weights)]
+            self.bias = torch.cat(parts)
+        self.packed = packed
+        self.weight = _pack(weight) if packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _Layer:
+    input_norm: Callable[[torch.Tensor], torch.Tensor]
+    qkv: _Linear
+    o: _Linear
+    post_norm: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: _Linear
+    down: _Linear
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # The Hugging Face rotary convention (rotate_half), written out: x*cos + rotate_half(x)*sin.
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecodeWeights:
+    """The decode step's view of one model: fused (and packed) projections plus its own modules."""
+
+    def __init__(self, loaded: LoadedModel, packed: bool) -> None:
+        model = loaded.model
+        config = model.config
+        inner = model.model
+        self.packed = packed
+        self.kernels = "oneDNN packed" if packed else "plain"
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = loaded.num_kv_heads
+        self.head_dim = loaded.head_dim
+        self.intermediate = config.intermediate_size
+        self.scale = inner.layers[0].self_attn.scaling
+        self.embed = inner.embed_tokens.weight.detach()
+        self.rotary = inner.rotary_emb
+        self.norm = inner.norm
+        self.lm_head = _Linear([model.lm_head], packed)
+        self.layers = [
+            _Layer(
+                input_norm=layer.input_layernorm,
+                qkv=_Linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], packed),
+                o=_Linear([layer.self_attn.o_proj], packed),
+                post_norm=layer.post_attention_layernorm,
+                gate_up=_Linear([layer.mlp.gate_proj, layer.mlp.up_proj], packed),
+                down=_Linear([layer.mlp.down_proj], packed),
+                act=layer.mlp.act_fn,
+            )
+            for layer in inner.layers
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of these copies of the weights (packed or fused)."""
+        mats = [self.lm_head] + [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(m.weight.numel() * m.weight.element_size() for m in mats)
+
+
+# Packing takes about a second and a copy of the weights: once per loaded model, shared by its engines.
+_WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, DecodeWeights] = weakref.WeakKeyDictionary()
+_WEIGHTS_LOCK = threading.Lock()
+
+
+def decode_weights(loaded: LoadedModel) -> DecodeWeights:
+    with _WEIGHTS_LOCK:
+        weights = _WEIGHTS.get(loaded.model)
+        if weights is None:
+            why_not = packing_available(loaded.device, loaded.dtype)
+            if why_not is not None:
+                log.warning("fast decode without packed weights (%s): plain linear kernels", why_not)
+            weights = _WEIGHTS[loaded.model] = DecodeWeights(loaded, packed=why_not is None)
+            log.info("fast decode ready: %s kernels, %.0f MiB of decode weights", weights.kernels,
+                     weights.nbytes / 2**20)
+        return weights
+
+
+class FastDecoder:
+    """Runs decode steps (one new token per sequence, any number of sequences) for one engine's pool."""
+
+    def __init__(self, weights: DecodeWeights, pool: BlockPool, device: torch.device) -> None:
+        self.weights = weights
+        self.pool = pool
+        self.device = device
+
+    @classmethod
+    def build(cls, loaded: LoadedModel, pool: BlockPool) -> FastDecoder | None:
+        """The fast decoder for this model, or None (logged once) when it must use the model's forward."""
+        reason = unsupported_reason(loaded.model)
+        if reason is not None:
+            if reason not in _REFUSED:
+                _REFUSED.add(reason)
+                log.warning("fast decode unavailable (%s): decode steps run the model's own forward", reason)
+            return None
+        return cls(decode_weights(loaded), pool, loaded.device)
+
+    @torch.inference_mode()
+    def forward(self, blocks: Sequence[Sequence[int]], positions: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
+        """Write K/V of one new token per sequence and return fp32 next-token logits ``[sequences, vocab]``.
+
+        ``blocks[i]`` must cover positions ``0..positions[i]`` of sequence ``i``.
+        """
+        n = len(token_ids)
+        w, pool, device = self.weights, self.pool, self.device
+        bs = pool.block_size
+        write = torch.tensor([blocks[i][p // bs] * bs + p % bs for i, p in enumerate(positions)], device=device)
+        reads = [pool.slots(blocks[i], 0, p + 1) for i, p in enumerate(positions)]
+        pos = torch.tensor([list(positions)], device=device)
+        hidden = F.embedding(torch.tensor(list(token_ids), device=device), w.embed)
+        cos, sin = w.rotary(hidden, pos)  # [1, n, head_dim] each
+        cos, sin = cos[0, :, None], sin[0, :, None]
+        heads, kv_heads, d = w.num_heads, w.num_kv_heads, w.head_dim
+        group = heads // kv_heads
+        q_end = heads * d
+        k_end = q_end + kv_heads * d
+        inner = w.intermediate
+        for index, layer in enumerate(w.layers):
+            qkv = layer.qkv(layer.input_norm(hidden))
+            q = _rotate(qkv[:, :q_end].view(n, heads, d), cos, sin)
+            k = _rotate(qkv[:, q_end:k_end].view(n, kv_heads, d), cos, sin)
+            v = qkv[:, k_end:].view(n, kv_heads, d)
+            pool.write(index, write, k.transpose(0, 1), v.transpose(0, 1))
+            # Query heads sharing a K/V head attend together: [1, kv_heads, group, d] against its K/V.
+            outs = []
+            for i in range(n):
+                keys, values = pool.read(index, reads[i])
+                query = q[i].view(1, kv_heads, group, d)
+                outs.append(F.scaled_dot_product_attention(query, keys[None], values[None], scale=w.scale))
+            attn = torch.cat(outs).view(n, heads * d)
+            hidden = hidden + layer.o(attn)
+            gate_up = layer.gate_up(layer.post_norm(hidden))
+            hidden = hidden + layer.down(layer.act(gate_up[:, :inner]) * gate_up[:, inner:])
+        return w.lm_head(w.norm(hidden)).float()
