@@ -220,8 +220,8 @@ class FastDecoder:
         inner = w.intermediate
         for index, layer in enumerate(w.layers):
             qkv = layer.qkv(layer.input_norm(hidden))
-            q = _rotate(qkv[:, :q_end].view(n, heads, d), cos, sin)
-            k = _rotate(qkv[:, q_end:k_end].view(n, kv_heads, d), cos, sin)
+            qk = _rotate(qkv[:, :k_end].view(n, heads + kv_heads, d), cos, sin)  # q and k heads in one go
+            q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, k_end:].view(n, kv_heads, d)
             pool.write(index, write, k.transpose(0, 1), v.transpose(0, 1))
             # Query heads sharing a K/V head attend together: [1, kv_heads, group, d] against its K/V.

@@ -34,7 +34,7 @@ EXPERIMENTS: list[tuple[str, tuple[str, ...]]] = [
 QUICK: dict[str, list[str]] = {
     "ttft": ["--lengths", "128", "256", "--repeats", "1", "--no-hf"],
     "serve": ["--levels", "1", "2", "--context-words", "100", "--max-tokens", "2"],
-    "engine": ["--dtypes", "float32", "--steps", "4", "--concurrency", "1", "2"],
+    "engine": ["--dtypes", "float32", "--steps", "4", "--concurrency", "1", "2", "--repeats", "1"],
     "adapter_overhead": ["--repeats", "5"],
     "transfer": ["--lengths", "128", "256", "--ks", "1", "2", "--context", "128", "--max-tokens", "2",
                  "--suffix", "8", "--repeats", "1"],
