@@ -59,7 +59,7 @@ class CorrectionConfig:
     # Confidence gate, checked after the composition: when the next token's top-2 logit margin is
     # below this, an approximation could flip the answer, so the approximated part is recomputed
     # densely (0 turns it off). Measured in docs/results.md: flips happen at small margins.
-    min_margin: float = 1.0
+    min_margin: float = 0.75
 
     def __post_init__(self) -> None:
         if self.method not in ("lowrank", "full"):

@@ -2,7 +2,9 @@
 
 Each chunk is a run of new tokens of one sequence whose earlier tokens are already in the pool.
 All chunks are concatenated into a single ``[1, total_tokens]`` input (prefill chunks and decode
-steps alike), so the weights are read once per step for every sequence in it.
+steps alike), so the weights are read once per step for every sequence in it. A batch of decode
+steps only (one new token per sequence) goes through the fused decode step instead
+(``fast_decode``), which skips the Hugging Face module stack.
 """
 
 from __future__ import annotations

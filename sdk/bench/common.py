@@ -17,10 +17,15 @@ import torch
 
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
+    flags: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                # The instruction sets that decide fp32 vs bf16 speed (dtype="auto" reads the same flags).
+                have = set(line.split(":", 1)[1].split())
+                flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
                 break
     except OSError:
         pass
@@ -28,6 +33,7 @@ def machine_info() -> dict[str, Any]:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "cpu": cpu,
         "cores": os.cpu_count(),
+        "cpu_flags": flags,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -45,7 +45,7 @@ METHODS: dict[str, tuple[str, dict[str, Any] | None]] = {
     # The same without the confidence gate: what the margin gate buys, and data to choose its threshold.
     "lowrank_chained_nogate": ("auto", {"method": "lowrank", "chained": True, "min_margin": 0.0}),
 }
-MARGINS = (0.5, 1.0, 1.5, 2.0, 3.0)
+MARGINS = (0.25, 0.5, 0.6, 0.75, 1.0, 1.5, 2.0)
 SYSTEMS = {
     "A": "You are the planner. Read the meeting notes and write a short numbered plan for the week.",
     "B": "You are the reviewer. You check plans for risks, missing owners and unrealistic dates.",
@@ -172,6 +172,7 @@ def run(
                 "anchors": engine.anchor_pool(cfg).num_anchors if cfg is not None else 0,
                 "margins": m["margin"],
                 "first_token_agrees": m["first"],
+                "ttfts": m["ttft"],
             })
         for name, (_, cfg) in methods.items():
             if cfg is not None:
@@ -193,15 +194,26 @@ def margin_analysis(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     recomputed densely (agreeing by construction); the others keep their measured agreement.
     """
     out = []
+    dense = {r["shared_tokens"]: r for r in rows if r["method"] == "dense"}
     for row in rows:
         if row["method"] != "lowrank_chained_nogate":
             continue
+        # A recomputed prompt costs its approximation plus a dense prefill (an upper bound: the exact
+        # prefix before the first approximated position is kept).
+        dense_ttfts = dense[row["shared_tokens"]].get("ttfts", [])
         pairs = [(m, a) for m, a in zip(row["margins"], row["first_token_agrees"], strict=True) if m is not None]
         for threshold in MARGINS:
             below = [a for m, a in pairs if m < threshold]
             above = [a for m, a in pairs if m >= threshold]
             total = len(row["first_token_agrees"])
+            ttft = None
+            if dense_ttfts and len(dense_ttfts) == len(row.get("ttfts", [])):
+                costs = [t + (d if m is not None and m < threshold else 0.0)
+                         for t, d, m in zip(row["ttfts"], dense_ttfts, row["margins"], strict=True)]
+                ttft = statistics.mean(costs)
             out.append({"shared_tokens": row["shared_tokens"], "min_margin": threshold,
+                        "ttft_mean_s": ttft,
+                        "speedup_vs_dense": dense[row["shared_tokens"]]["ttft_mean_s"] / ttft if ttft else None,
                         "recomputed_share": len(below) / total if total else 0.0,
                         "first_token_agreement": (total - len(pairs) + len(below) + sum(above)) / total if total else 1.0,
                         "disagreements_below": sum(not a for a in below)})
@@ -221,9 +233,11 @@ def table(result: dict[str, Any]) -> str:
     text = format_table(columns, rows)
     if result.get("margin_analysis"):
         text += "\n\nconfidence gate thresholds, simulated on lowrank_chained_nogate:\n" + format_table(
-            ["shared", "min_margin", "recomputed", "1st tok", "flips caught"],
+            ["shared", "min_margin", "recomputed", "1st tok", "flips caught", "TTFT s (est.)", "vs dense (est.)"],
             [[a["shared_tokens"], a["min_margin"], f"{100 * a['recomputed_share']:.0f}%",
-              f"{100 * a['first_token_agreement']:.0f}%", a["disagreements_below"]] for a in result["margin_analysis"]])
+              f"{100 * a['first_token_agreement']:.0f}%", a["disagreements_below"], a.get("ttft_mean_s") or "-",
+              f"{a['speedup_vs_dense']:.2f}x" if a.get("speedup_vs_dense") else "-"]
+             for a in result["margin_analysis"]])
     return text
 
 
