@@ -154,11 +154,14 @@ class DecodeWeights:
             for layer in inner.layers
         ]
 
+    def matrices(self) -> list[_Linear]:
+        """Every weight matrix a decode step reads, LM head first."""
+        return [self.lm_head] + [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
     @property
     def nbytes(self) -> int:
         """Memory of these copies of the weights (packed or fused)."""
-        mats = [self.lm_head] + [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return sum(m.weight.numel() * m.weight.element_size() for m in mats)
+        return sum(m.weight.numel() * m.weight.element_size() for m in self.matrices())
 
 
 # Packing takes about a second and a copy of the weights: once per loaded model, shared by its engines.

@@ -55,9 +55,8 @@ def _weight_read_ms(engine: Any, repeats: int = 5) -> float | None:
     fast = engine.runner.fast
     if fast is None:
         return None
-    w = fast.weights
-    mats = [w.lm_head] + [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    rows = {}
+    mats = fast.weights.matrices()
+    rows: dict[int, torch.Tensor] = {}
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
