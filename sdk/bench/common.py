@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +40,27 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def parallel(fns: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Run every function in its own thread (concurrent requests); their results, or the first error."""
+    out: list[Any] = [None] * len(fns)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -14,13 +14,12 @@ model's own forward with paged attention.
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from typing import Any
 
 import torch
 from kvbaton import SamplingParams
-from kvbaton.bench.common import format_table, machine_info, write_results
+from kvbaton.bench.common import format_table, machine_info, parallel, timed, write_results
 from kvbaton.bench.corpus import document
 from tqdm.auto import tqdm
 
@@ -74,18 +73,7 @@ def _weight_read_ms(engine: Any, repeats: int = 5) -> float | None:
 def _concurrent_tps(engine: Any, corpus: list[int], k: int, params: SamplingParams) -> float:
     """Tokens/s of ``k`` sequences decoding at once (each its own thread, as concurrent requests)."""
     handles = [engine.materialize(corpus[i * 40 : i * 40 + 128]) for i in range(k)]
-    results: list[Any] = [None] * k
-
-    def work(i: int) -> None:
-        results[i] = engine.resume(handles[i], [], params)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(k)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
+    elapsed, results = timed(lambda: parallel([lambda h=h: engine.resume(h, [], params) for h in handles]))
     engine.release(handles + [r.handle for r in results])
     return k * params.max_tokens / elapsed
 

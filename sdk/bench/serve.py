@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from kvbaton.bench.common import format_table, machine_info, write_results
+from kvbaton.bench.common import format_table, machine_info, parallel, timed, write_results
 from kvbaton.bench.corpus import QUESTIONS, document
 from tqdm.auto import tqdm
 
@@ -94,13 +94,7 @@ def _level(url: str, clients: int, requests: int, system: dict[str, str], reuse:
         finally:
             client.close()
 
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(clients)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
+    elapsed, _ = timed(lambda: parallel([lambda i=i: client_loop(i) for i in range(clients)]))
     if shared is not None:
         setup.release(shared)
     setup.close()

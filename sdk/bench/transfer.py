@@ -21,11 +21,10 @@ import argparse
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from kvbaton import SamplingParams
-from kvbaton.bench.common import format_table, machine_info, write_results
+from kvbaton.bench.common import format_table, machine_info, parallel, write_results
 from kvbaton.bench.corpus import document
 from tqdm.auto import tqdm
 
@@ -67,26 +66,6 @@ class PeakKV:
         self._stop.set()
         self._thread.join()
         self._sample()
-
-
-def _parallel(fns: list[Callable[[], Any]]) -> list[Any]:
-    out: list[Any] = [None] * len(fns)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
 
 
 def crossover(cluster: Any, corpus: list[int], lengths: tuple[int, ...], caps: tuple[str, ...],
@@ -140,13 +119,13 @@ def fork_across(cluster: Any, corpus: list[int], context_tokens: int, ks: tuple[
             start = time.perf_counter()
             parent = cluster.materialize(context)
             children = cluster.fork(parent, k)
-            results = _parallel([lambda c=c, s=s: cluster.resume(c, s, params) for c, s in zip(children, suffixes)])
+            results = parallel([lambda c=c, s=s: cluster.resume(c, s, params) for c, s in zip(children, suffixes)])
             handles_s = time.perf_counter() - start
         decisions = cluster.stats().cluster.decisions[before:]
         cluster.release([parent, *children, *(r.handle for r in results)])
         with PeakKV(cluster) as replay_peak:
             start = time.perf_counter()
-            replayed = _parallel([lambda s=s: cluster.complete(context + s, params) for s in suffixes])
+            replayed = parallel([lambda s=s: cluster.complete(context + s, params) for s in suffixes])
             replay_s = time.perf_counter() - start
         cluster.release([r.handle for r in replayed])
         workers = sorted(set(handles_peak.peak) | set(replay_peak.peak))
