@@ -6,15 +6,16 @@ by reading the weights and by the Python and dispatch work of the Hugging Face m
 of module calls, hooks and shape checks per layer). This module runs the decode step of a
 llama-family model as a short, explicit sequence of tensor operations over the *same* weights:
 
-- q/k/v and gate/up projections fused into one matrix each, and on CPU every matrix pre-packed
-  once for oneDNN (the layout its GEMM kernels want), which reads the weights at close to memory
-  bandwidth instead of re-laying them out on every call;
-- K/V of all sequences in the step written into the block pool with one indexed copy per layer;
-- attention over each sequence's blocks as a view when they are consecutive (no gather of the
-  context into fresh tensors), with the query heads of a K/V head grouped as one multi-query
-  attention (no repetition of K/V for grouped-query attention);
-- the RMSNorm, rotary and activation modules of the Hugging Face model itself, so the architecture
-  still comes from its definition.
+- q/k/v and gate/up projections fused into one matrix each, every matrix pre-packed once for the
+  kernel that reads it, so a step streams the weights at close to memory bandwidth;
+- on CPU, kvbaton's own kernels (``kernels``: one C++ call per op, built once per machine): a
+  packed GEMV that streams weights sequentially, RMSNorm fused with the residual add, rotary fused
+  with the K/V write into the pool, and attention that reads K/V through each sequence's block table
+  (no gather), grouped query heads sharing each K/V load, long contexts split across cores;
+- without them (no compiler, ``KVBATON_KERNELS=0``, GPU), the same step in torch ops: oneDNN-packed
+  linears, K/V written with one indexed copy per layer, attention over block views;
+- the weights, norms' epsilons, rotary embedding (cos/sin) and attention scale of the Hugging Face
+  model itself, so the architecture still comes from its definition.
 
 Prefill (and any step that needs more than one token's logits) still runs the Hugging Face model
 (``ModelRunner``). Models this module does not know fall back to it too, logged once.
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import kernels as kernel_library
 from .block_pool import BlockPool
 from .loader import LoadedModel
 
@@ -84,33 +86,63 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+# Names of the kernel sets, as `kvbaton info` and DecodeWeights.kernels report them.
+KVBATON, ONEDNN, PLAIN = "kvbaton C++", "oneDNN packed", "plain"
+_LANES = 16  # output rows per block of kvbaton's packed weight layout
+
+
+def kernels_fit(model: Any) -> str | None:
+    """None when kvbaton's C++ kernels handle this model's shapes; else why not."""
+    config = model.config
+    layer = model.model.layers[0]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in (64, 128) or config.intermediate_size % _LANES:
+        return "head_dim must be 64 or 128 and intermediate_size a multiple of 16"
+    if config.hidden_size % 4 or config.intermediate_size % 4:
+        return "hidden and intermediate sizes must be multiples of 4"
+    if not all(hasattr(norm, "variance_epsilon") for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
+        return "norms without variance_epsilon"
+    return None
+
+
 class _Linear:
     """``y = x W^T (+ b)`` over one or more weight matrices concatenated along the output."""
 
-    def __init__(self, modules: Sequence[torch.nn.Module], packed: bool) -> None:
+    def __init__(self, modules: Sequence[torch.nn.Module], kind: str, library: Any = None) -> None:
         weights = [m.weight.detach() for m in modules]
         biases = [m.bias for m in modules]
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-        self.in_features = weight.shape[1]
+        self.out_features, self.in_features = weight.shape
         self.bias = None
         if any(b is not None for b in biases):
             parts = [b.detach() if b is not None else weight.new_zeros(w.shape[0]) for b, w in zip(biases, weights)]
             self.bias = torch.cat(parts)
-        self.packed = packed
-        self.weight = _pack(weight) if packed else weight
+        self.kind = kind
+        self._library = library
+        self.input_dtype = torch.float32 if kind == KVBATON else weight.dtype  # what __call__ takes
+        if kind == KVBATON:  # blocks of 16 outputs, each one sequential run of memory (see the kernels)
+            self.weight = library.pack(weight)
+            if self.bias is not None:
+                pad = self.weight.shape[0] * _LANES - self.out_features
+                self.bias = torch.cat([self.bias.float(), self.bias.new_zeros(pad, dtype=torch.float32)]).contiguous()
+        else:
+            self.weight = _pack(weight) if kind == ONEDNN else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.kind == KVBATON:  # fp32 in, fp32 out
+            y = self._library.linear(x, self.weight, self.bias)
+            return y if y.shape[1] == self.out_features else y[:, : self.out_features].contiguous()
+        if self.kind == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
 @dataclass
 class _Layer:
-    input_norm: Callable[[torch.Tensor], torch.Tensor]
+    input_norm: torch.nn.Module
     qkv: _Linear
     o: _Linear
-    post_norm: Callable[[torch.Tensor], torch.Tensor]
+    post_norm: torch.nn.Module
     gate_up: _Linear
     down: _Linear
     act: Callable[[torch.Tensor], torch.Tensor]
@@ -126,12 +158,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class DecodeWeights:
     """The decode step's view of one model: fused (and packed) projections plus its own modules."""
 
-    def __init__(self, loaded: LoadedModel, packed: bool) -> None:
+    def __init__(self, loaded: LoadedModel, kernels: str, library: Any = None) -> None:
         model = loaded.model
         config = model.config
         inner = model.model
-        self.packed = packed
-        self.kernels = "oneDNN packed" if packed else "plain"
+        self.kernels = kernels
+        self.library = library  # the compiled kvbaton kernels when kernels == KVBATON
+        linear = lambda *modules: _Linear(modules, kernels, library)  # noqa: E731
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = loaded.num_kv_heads
         self.head_dim = loaded.head_dim
@@ -140,15 +173,15 @@ class DecodeWeights:
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
         self.norm = inner.norm
-        self.lm_head = _Linear([model.lm_head], packed)
+        self.lm_head = linear(model.lm_head)
         self.layers = [
             _Layer(
                 input_norm=layer.input_layernorm,
-                qkv=_Linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], packed),
-                o=_Linear([layer.self_attn.o_proj], packed),
+                qkv=linear(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                o=linear(layer.self_attn.o_proj),
                 post_norm=layer.post_attention_layernorm,
-                gate_up=_Linear([layer.mlp.gate_proj, layer.mlp.up_proj], packed),
-                down=_Linear([layer.mlp.down_proj], packed),
+                gate_up=linear(layer.mlp.gate_proj, layer.mlp.up_proj),
+                down=linear(layer.mlp.down_proj),
                 act=layer.mlp.act_fn,
             )
             for layer in inner.layers
@@ -160,7 +193,7 @@ class DecodeWeights:
 
     @property
     def nbytes(self) -> int:
-        """Memory of these copies of the weights (packed or fused)."""
+        """Memory of these copies of the weights (packed and fused)."""
         return sum(m.weight.numel() * m.weight.element_size() for m in self.matrices())
 
 
@@ -169,14 +202,32 @@ _WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, DecodeWeights] = weakref.We
 _WEIGHTS_LOCK = threading.Lock()
 
 
+def _kvbaton_kernels(loaded: LoadedModel) -> Any:
+    """The compiled kvbaton kernels if they can run this model here (else None, why logged once)."""
+    if loaded.device.type != "cpu" or loaded.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    why_not = kernels_fit(loaded.model)
+    if why_not is not None:
+        if why_not not in _REFUSED:
+            _REFUSED.add(why_not)
+            log.warning("kvbaton kernels do not fit this model (%s): fused decode uses oneDNN", why_not)
+        return None
+    return kernel_library.load()
+
+
 def decode_weights(loaded: LoadedModel) -> DecodeWeights:
     with _WEIGHTS_LOCK:
         weights = _WEIGHTS.get(loaded.model)
         if weights is None:
-            why_not = packing_available(loaded.device, loaded.dtype)
-            if why_not is not None:
-                log.warning("fast decode without packed weights (%s): plain linear kernels", why_not)
-            weights = _WEIGHTS[loaded.model] = DecodeWeights(loaded, packed=why_not is None)
+            library = _kvbaton_kernels(loaded)
+            if library is not None:
+                weights = DecodeWeights(loaded, KVBATON, library)
+            else:
+                why_not = packing_available(loaded.device, loaded.dtype)
+                if why_not is not None:
+                    log.warning("fast decode without packed weights (%s): plain linear kernels", why_not)
+                weights = DecodeWeights(loaded, PLAIN if why_not else ONEDNN)
+            _WEIGHTS[loaded.model] = weights
             log.info("fast decode ready: %s kernels, %.0f MiB of decode weights", weights.kernels,
                      weights.nbytes / 2**20)
         return weights
@@ -207,6 +258,36 @@ class FastDecoder:
 
         ``blocks[i]`` must cover positions ``0..positions[i]`` of sequence ``i``.
         """
+        if self.weights.kernels == KVBATON:
+            return self._forward_kernels(blocks, positions, token_ids)
+        return self._forward_torch(blocks, positions, token_ids)
+
+    def _forward_kernels(self, blocks: Sequence[Sequence[int]], positions: Sequence[int],
+                         token_ids: Sequence[int]) -> torch.Tensor:
+        w, pool, lib = self.weights, self.pool, self.weights.library
+        bs = pool.block_size
+        tables = [list(blocks[i][: p // bs + 1]) for i, p in enumerate(positions)]
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        lengths = torch.tensor([p + 1 for p in positions])
+        slots = torch.tensor([t[-1] * bs + p % bs for t, p in zip(tables, positions)])
+        residual = F.embedding(torch.tensor(list(token_ids)), w.embed).float()  # the residual stream, fp32
+        cos, sin = w.rotary(residual[None], torch.tensor([list(positions)]))  # fp32, [1, n, head_dim]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        layers = w.layers
+        normed = lib.rms_norm(residual, layers[0].input_norm.weight, layers[0].input_norm.variance_epsilon)
+        for index, layer in enumerate(layers):
+            q = lib.rope_write(layer.qkv(normed), cos, sin, pool.k, pool.v, index, slots, w.num_heads, w.num_kv_heads)
+            attn = lib.attention(q, pool.k, pool.v, index, table, lengths, bs, w.scale)
+            post = layer.post_norm
+            normed = lib.add_rms_norm(residual, layer.o(attn), post.weight, post.variance_epsilon)
+            mlp = layer.down(lib.silu_mul(layer.gate_up(normed)))
+            norm = layers[index + 1].input_norm if index + 1 < len(layers) else w.norm
+            normed = lib.add_rms_norm(residual, mlp, norm.weight, norm.variance_epsilon)
+        return w.lm_head(normed)
+
+    def _forward_torch(self, blocks: Sequence[Sequence[int]], positions: Sequence[int],
+                       token_ids: Sequence[int]) -> torch.Tensor:
         n = len(token_ids)
         w, pool, device = self.weights, self.pool, self.device
         bs = pool.block_size

@@ -233,6 +233,7 @@ def _info(args: argparse.Namespace) -> int:
 
     import kvbaton
     import torch
+    from kvbaton.backend import kernels as decode_kernels
     from kvbaton.backend.fast_decode import packing_available
     from kvbaton.backend.loader import DEFAULT_MODEL, cache_dir, resolve_dtype
 
@@ -250,7 +251,8 @@ def _info(args: argparse.Namespace) -> int:
         ("torch", torch.__version__),
         ("python", sys.version.split()[0]),
         ("dtype auto (cpu)", resolve_dtype("auto", "cpu")),
-        ("fast decode (cpu)", "; ".join(f"{d}: {why or 'oneDNN packed'}" for d, why in kernels.items())),
+        ("decode kernels", f"kvbaton C++: {decode_kernels.status()}"),
+        ("fallback (cpu)", "; ".join(f"{d}: {why or 'oneDNN packed'}" for d, why in kernels.items())),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

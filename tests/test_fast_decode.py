@@ -1,5 +1,6 @@
-"""The fused decode step: same greedy tokens as the model's own forward, alone or batched, with a
-clean fallback where packed kernels or the model family are unavailable."""
+"""The fused decode step: same greedy tokens as the model's own forward, alone or batched, on
+kvbaton's C++ kernels and on each fallback (oneDNN, plain linear, the model's own forward), each
+fallback logged once."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def _greedy(engine: Engine, prompt: list[int], params: SamplingParams = GREEDY) 
     return result.token_ids
 
 
-def test_fast_decode_is_on_by_default_with_packed_kernels(engine):
+def test_fast_decode_is_on_by_default_with_kvbaton_kernels(engine):
     assert engine.runner.fast is not None
-    assert engine.runner.fast.weights.kernels == "oneDNN packed"
+    assert engine.runner.fast.weights.kernels == fd.KVBATON == "kvbaton C++"
 
 
 def test_fast_decode_matches_the_models_own_forward_and_transformers(engine, reference, corpus_tokens):
@@ -73,8 +74,22 @@ def test_a_batch_of_different_prefixes_and_lengths_decodes_each_as_alone(engine,
     assert engine.scheduler.max_sequences > max(before, 1)  # they really shared forwards
 
 
+def test_without_kvbaton_kernels_it_decodes_on_onednn_with_the_same_tokens(monkeypatch, corpus_tokens):
+    monkeypatch.setattr(fd, "_WEIGHTS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(fd, "_kvbaton_kernels", lambda loaded: None)  # no compiler, or KVBATON_KERNELS=0
+    engine, eager = Engine(kv_budget="32MiB"), Engine(kv_budget="32MiB", fast_decode=False)
+    try:
+        assert engine.runner.fast.weights.kernels == fd.ONEDNN
+        for prompt in (corpus_tokens[:60], corpus_tokens[200:500]):
+            assert _greedy(engine, prompt) == _greedy(eager, prompt)
+    finally:
+        engine.close()
+        eager.close()
+
+
 def test_without_packed_kernels_it_falls_back_to_plain_linear_logged_once(monkeypatch, caplog, corpus_tokens):
     monkeypatch.setattr(fd, "_WEIGHTS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(fd, "_kvbaton_kernels", lambda loaded: None)
     monkeypatch.setattr(fd, "packing_available", lambda device, dtype: "no oneDNN in this test")
     prompt = corpus_tokens[:60]
     caplog.set_level(logging.WARNING, logger=fd.__name__)

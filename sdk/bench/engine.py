@@ -7,8 +7,10 @@
 - the weights-read floor: one row pushed through every decode weight matrix, i.e. what a decode
   step costs in memory traffic alone on this machine (no attention, no framework).
 
-kvbaton decodes with its fused decode step (``kvbaton.backend.fast_decode``); prefill runs the
-model's own forward with paged attention.
+kvbaton decodes with its fused decode step (``kvbaton.backend.fast_decode``, on kvbaton's C++
+kernels where they build); prefill runs the model's own forward with paged attention. Greedy
+agreement is reported against transformers in the same dtype and, for bf16, of both bf16
+implementations against fp32 transformers (which one stays closer to full precision).
 """
 
 from __future__ import annotations
@@ -37,16 +39,12 @@ def _hf_decode_ms(model: Any, context: list[int], steps: int) -> float:
         return (time.perf_counter() - start) / steps * 1000
 
 
-def _hf_prefill_tps(model: Any, tokens: list[int], repeats: int) -> float:
+def _hf_prefill_s(model: Any, tokens: list[int]) -> float:
     ids = torch.tensor([tokens])
     with torch.inference_mode():
-        model(ids[:, :64], logits_to_keep=1)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model(ids, logits_to_keep=1)
-            times.append(time.perf_counter() - start)
-    return len(tokens) / min(times)
+        start = time.perf_counter()
+        model(ids, logits_to_keep=1)
+        return time.perf_counter() - start
 
 
 def _weight_read_ms(engine: Any, repeats: int = 5) -> float | None:
@@ -64,7 +62,7 @@ def _weight_read_ms(engine: Any, repeats: int = 5) -> float | None:
                 width = m.in_features
                 x = rows.get(width)
                 if x is None:
-                    x = rows[width] = torch.ones(1, width, dtype=engine.loaded.dtype)
+                    x = rows[width] = torch.ones(1, width, dtype=m.input_dtype)
                 m(x)
             best = min(best, time.perf_counter() - start)
     return best * 1000
@@ -84,24 +82,27 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
 
     rows: list[dict[str, Any]] = []
     agreement: dict[str, float] = {}
+    vs_fp32: dict[str, dict[str, float]] = {}
+    kernels: dict[str, str] = {}
+    reference: list[list[int]] | None = None
     floor: dict[str, float | None] = {}
     for dtype in dtypes:
         engine = Engine(dtype=dtype, kv_budget="3GiB", prefix_cache=False)
         hf = load_model(dtype=dtype, attn_implementation="sdpa").model
+        kernels[dtype] = engine.runner.fast.weights.kernels if engine.runner.fast else "model forward"
         corpus = engine.tokenize(document(4000, seed=5))
         params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
         bar = tqdm(total=2 + 2 + len(concurrency), desc=f"engine {dtype}", unit="cell")
+        engine.release(engine.materialize(corpus[:64]))
+        _hf_prefill_s(hf, corpus[:64])
         for n in (512, 2048):
             tokens = corpus[:n]
-            engine.release(engine.materialize(tokens[:64]))
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                handle = engine.materialize(tokens)
-                best = min(best, time.perf_counter() - start)
-                engine.release(handle)
-            rows.append({"dtype": dtype, "metric": f"prefill tok/s @{n}", "kvbaton": n / best,
-                         "transformers": _hf_prefill_tps(hf, tokens, repeats)})
+            ours, theirs = [], []
+            for _ in range(repeats):  # alternating, like the decode cells
+                ours.append(timed(lambda: engine.release(engine.materialize(tokens)))[0])
+                theirs.append(_hf_prefill_s(hf, tokens))
+            rows.append({"dtype": dtype, "metric": f"prefill tok/s @{n}", "kvbaton": n / min(ours),
+                         "transformers": n / min(theirs)})
             bar.update()
         # Memory bandwidth on a shared VM drifts: every decode cell alternates kvbaton and transformers
         # `repeats` times and keeps each side's best run.
@@ -125,7 +126,15 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
                          "transformers": max(theirs)})
             bar.update()
         floor[dtype] = _weight_read_ms(engine)
-        agreement[dtype] = _greedy_agreement(engine, hf, corpus, steps)
+        prompts = [corpus[300 * i : 300 * i + 200] for i in range(6)]
+        ours_tokens = [_engine_greedy(engine, p, steps) for p in prompts]
+        hf_tokens = [_hf_greedy(hf, p, steps) for p in prompts]
+        agreement[dtype] = _agreement(ours_tokens, hf_tokens)
+        if dtype == "float32":
+            reference = hf_tokens
+        elif reference is not None:  # how close each bf16 implementation stays to fp32
+            vs_fp32[dtype] = {"kvbaton": _agreement(ours_tokens, reference),
+                              "transformers": _agreement(hf_tokens, reference)}
         bar.close()
         engine.close()
     for row in rows:
@@ -136,23 +145,26 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
         if row["metric"].startswith("decode tok/s x"):
             row["vs_one_sequence"] = row["kvbaton"] / single[row["dtype"]]
     return {"benchmark": "engine", "machine": machine_info(), "steps": steps, "rows": rows,
-            "greedy_agreement_vs_transformers": agreement, "weights_read_floor_ms": floor}
+            "greedy_agreement_vs_transformers": agreement, "greedy_agreement_vs_fp32_transformers": vs_fp32,
+            "kernels": kernels, "weights_read_floor_ms": floor}
 
 
-def _greedy_agreement(engine: Any, hf: Any, corpus: list[int], steps: int, prompts: int = 3) -> float:
-    """Fraction of greedy tokens equal to plain transformers in the same dtype (up to the first split)."""
-    agree = total = 0
-    for i in range(prompts):
-        prompt = corpus[300 * i : 300 * i + 200]
-        ours = engine.complete(prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
-        engine.release(ours.handle)
-        with torch.inference_mode():
-            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-        reference = theirs[0, len(prompt):].tolist()
-        same = next((k for k, (a, b) in enumerate(zip(ours.token_ids, reference)) if a != b), steps)
-        agree += same
-        total += steps
-    return agree / total
+def _engine_greedy(engine: Any, prompt: list[int], steps: int) -> list[int]:
+    result = engine.complete(prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
+    engine.release(result.handle)
+    return result.token_ids
+
+
+def _hf_greedy(hf: Any, prompt: list[int], steps: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of greedy tokens equal to the reference's before the first difference, over all prompts."""
+    same = sum(next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(ours, reference))
+    return same / sum(len(y) for y in reference)
 
 
 def table(payload: dict[str, Any]) -> str:
@@ -174,8 +186,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     payload = run(tuple(args.dtypes), args.steps, repeats=args.repeats, concurrency=tuple(args.concurrency))
     print(table(payload))
+    print(f"decode kernels: {payload['kernels']}")
     for dtype, value in payload["greedy_agreement_vs_transformers"].items():
         print(f"greedy agreement with transformers ({dtype}): {value:.1%} of tokens before the first difference")
+    for dtype, pair in payload["greedy_agreement_vs_fp32_transformers"].items():
+        print(f"greedy agreement with fp32 transformers ({dtype}): kvbaton {pair['kvbaton']:.1%}, "
+              f"transformers {pair['transformers']:.1%}")
     for dtype, ms in payload["weights_read_floor_ms"].items():
         if ms is not None:
             print(f"weights-read floor ({dtype}): {ms:.1f} ms per decode step (one row through every decode matrix)")

@@ -1,0 +1,133 @@
+"""kvbaton's C++ decode kernels: built once per machine at first use, loaded by every engine after.
+
+The kernels (``csrc/decode_kernels.cpp``) are compiled with ``torch.utils.cpp_extension`` for the
+CPU they run on (``-march=native``), so the build directory is keyed by the source, the torch
+version and the CPU's feature flags: a cache shared between different machines never loads code
+built for another instruction set. The first build takes about 40 s on 2 cores; later processes
+load the cached library in well under a second.
+
+Set ``KVBATON_KERNELS=0`` to skip them. Without a C++ compiler, or when the build fails, the fused
+decode step runs on oneDNN instead (logged once), with the same results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from .loader import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = "decode_kernels.cpp"
+_LOCK = threading.Lock()
+_STATE: dict[str, ModuleType | str] = {}  # "module" or "error" once decided
+_OFF = ("0", "false", "off", "no")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _source() -> str:
+    return resources.files("kvbaton.backend").joinpath("csrc", SOURCE).read_text()
+
+
+def build_key() -> str:
+    """What the compiled library depends on: source, torch, CPU features."""
+    text = "\n".join((_source(), torch.__version__, platform.machine(), _cpu_flags(), " ".join(_cflags())))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cflags() -> list[str]:
+    flags = ["-O3", "-march=native", "-fno-math-errno"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-mprefer-vector-width=512")  # else GCC splits bf16 widening into 256-bit halves
+    return flags
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    try:  # the `ninja` wheel's binary, which is not on PATH unless the venv is activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    key = build_key()
+    directory = cache_dir() / "kernels" / key
+    directory.mkdir(parents=True, exist_ok=True)
+    source = directory / SOURCE
+    if not source.exists() or source.read_text() != _source():
+        source.write_text(_source())
+    cached = any(directory.glob("*.so"))
+    if not cached:
+        log.info("building kvbaton decode kernels for this CPU (once per machine, ~40 s) in %s", directory)
+    start = time.perf_counter()
+    module = cpp_extension.load(
+        name=f"kvbaton_decode_{key}",
+        sources=[str(source)],
+        extra_cflags=_cflags(),
+        build_directory=str(directory),
+        verbose=False,
+    )
+    log.info("kvbaton decode kernels %s in %.1f s", "loaded" if cached else "built", time.perf_counter() - start)
+    return module
+
+
+def _first_error(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or [type(exc).__name__])[0 if errors else -1]
+
+
+def status() -> str:
+    """One line for `kvbaton info`, without building anything."""
+    if os.environ.get("KVBATON_KERNELS", "1").lower() in _OFF:
+        return "disabled by KVBATON_KERNELS"
+    if "module" in _STATE:
+        return "loaded"
+    if "error" in _STATE:
+        return f"unavailable ({_STATE['error']})"
+    built = any((cache_dir() / "kernels" / build_key()).glob("*.so"))
+    return "built for this CPU" if built else "not built yet (built at the first engine start, ~40 s)"
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels are (or can be) loaded here; else why not. Builds them on first call."""
+    load()
+    error = _STATE.get("error")
+    return error if isinstance(error, str) else None
+
+
+def load() -> ModuleType | None:
+    """The compiled kernels module, or None (the reason logged once, see :func:`unavailable_reason`)."""
+    with _LOCK:
+        if not _STATE:
+            if os.environ.get("KVBATON_KERNELS", "1").lower() in _OFF:
+                _STATE["error"] = "disabled by KVBATON_KERNELS"
+            else:
+                try:
+                    _STATE["module"] = _build()
+                except Exception as exc:  # no compiler, no ninja, a failed build: oneDNN still works
+                    _STATE["error"] = f"build failed: {_first_error(exc)}"
+            if "error" in _STATE:
+                log.warning("kvbaton decode kernels unavailable (%s): fused decode uses oneDNN", _STATE["error"])
+        module = _STATE.get("module")
+        return module if isinstance(module, ModuleType) else None

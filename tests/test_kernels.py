@@ -1,0 +1,180 @@
+"""kvbaton's C++ decode kernels against plain torch: each op alone, on fp32 and bf16 storage, with
+paged (non-consecutive) block tables, and bit-identical rows whether computed alone or batched."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kvbaton.backend import kernels
+
+HEADS, KV_HEADS, D, BLOCK = 9, 3, 64, 16
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    module = kernels.load()
+    assert module is not None, kernels.unavailable_reason()  # this machine has a compiler: they must build
+    return module
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 17])
+@pytest.mark.parametrize("outputs", [96, 100])  # 100: padded to whole blocks of 16, sliced back by the caller
+def test_linear_matches_torch_with_and_without_bias(lib, dtype, rows, outputs):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(outputs, 576, generator=g).to(dtype)
+    bias = torch.cat([torch.randn(outputs, generator=g), torch.zeros(-outputs % 16)])
+    x = torch.randn(rows, 576, generator=g)
+    if dtype == torch.bfloat16 and lib.bf16_dot:  # AVX512-BF16 dot products take bf16 inputs, as the model's bf16 forward
+        x_used = x.to(dtype).float()
+    else:
+        x_used = x
+    expected = x_used @ weight.float().T
+    packed = lib.pack(weight)
+    torch.testing.assert_close(lib.linear(x, packed, None)[:, :outputs], expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lib.linear(x, packed, bias)[:, :outputs], expected + bias[:outputs], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_are_bit_identical_alone_or_batched(lib, dtype):
+    g = torch.Generator().manual_seed(0)
+    packed = lib.pack(torch.randn(80, 1536, generator=g).to(dtype))  # 5 blocks: a full group of 4 and an edge
+    x = torch.randn(21, 1536, generator=g)  # tiles of 8, 4 and single rows
+    batched = lib.linear(x, packed, None)
+    for i in range(len(x)):
+        assert torch.equal(batched[i], lib.linear(x[i : i + 1].contiguous(), packed, None)[0])
+
+
+def test_rms_norms_match_the_hugging_face_formula(lib):
+    g = torch.Generator().manual_seed(1)
+    x, delta = torch.randn(3, 576, generator=g), torch.randn(3, 576, generator=g)
+    weight = torch.randn(576, generator=g)
+
+    def reference(h: torch.Tensor) -> torch.Tensor:
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    torch.testing.assert_close(lib.rms_norm(x, weight, 1e-5), reference(x))
+    residual = x.clone()
+    normed = lib.add_rms_norm(residual, delta, weight, 1e-5)
+    assert torch.equal(residual, x + delta)  # the residual stream is updated in place
+    torch.testing.assert_close(normed, reference(x + delta))
+
+
+def test_silu_mul_matches_torch(lib):
+    x = torch.randn(2, 2 * 1536, generator=torch.Generator().manual_seed(2)) * 8
+    torch.testing.assert_close(lib.silu_mul(x), F.silu(x[:, :1536]) * x[:, 1536:], rtol=1e-5, atol=1e-5)
+
+
+def _paged(dtype: torch.dtype, lengths: list[int], blocks: int = 160):
+    """A random pool and block tables that scatter each sequence over non-consecutive blocks."""
+    g = torch.Generator().manual_seed(3)
+    k_pool = torch.randn(2, KV_HEADS, blocks * BLOCK, D, generator=g).to(dtype)
+    v_pool = torch.randn(2, KV_HEADS, blocks * BLOCK, D, generator=g).to(dtype)
+    order = torch.randperm(blocks, generator=g).tolist()
+    width = max(-(-n // BLOCK) for n in lengths)
+    tables = torch.zeros(len(lengths), width, dtype=torch.int32)
+    for s, n in enumerate(lengths):
+        count = -(-n // BLOCK)
+        tables[s, :count] = torch.tensor(order[:count])
+        order = order[count:]
+    return k_pool, v_pool, tables
+
+
+def _slots(tables: torch.Tensor, s: int, n: int) -> torch.Tensor:
+    return torch.cat([torch.arange(BLOCK) + int(b) * BLOCK for b in tables[s, : -(-n // BLOCK)]])[:n]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_rotates_q_and_k_and_writes_only_the_new_slots(lib, dtype):
+    lengths = [5, 40, 17]
+    k_pool, v_pool, tables = _paged(dtype, lengths)
+    before_k, before_v = k_pool.clone(), v_pool.clone()
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * D, generator=g)
+    angles = torch.rand(3, D // 2, generator=g) * 100
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    slots = torch.stack([_slots(tables, s, n)[-1] for s, n in enumerate(lengths)])
+    q = lib.rope_write(qkv, cos, sin, k_pool, v_pool, 1, slots, HEADS, KV_HEADS)
+    torch.testing.assert_close(q, _rotate(qkv[:, : HEADS * D].view(3, HEADS, D), cos[:, None], sin[:, None]))
+    k = _rotate(qkv[:, HEADS * D : (HEADS + KV_HEADS) * D].view(3, KV_HEADS, D), cos[:, None], sin[:, None])
+    v = qkv[:, (HEADS + KV_HEADS) * D :].view(3, KV_HEADS, D)
+    torch.testing.assert_close(k_pool[1][:, slots].transpose(0, 1), k.to(dtype))
+    torch.testing.assert_close(v_pool[1][:, slots].transpose(0, 1), v.to(dtype))
+    k_pool[1][:, slots], v_pool[1][:, slots] = before_k[1][:, slots], before_v[1][:, slots]
+    assert torch.equal(k_pool, before_k) and torch.equal(v_pool, before_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_matches_sdpa_over_the_gathered_context(lib, dtype):
+    lengths = [1, 16, 17, 300, 1100]  # one token, a full block, a block and one, several 256-token chunks
+    k_pool, v_pool, tables = _paged(dtype, lengths)
+    q = torch.randn(len(lengths), HEADS, D, generator=torch.Generator().manual_seed(5))
+    out = lib.attention(q, k_pool, v_pool, 1, tables, torch.tensor(lengths), BLOCK, 0.125)
+    for s, n in enumerate(lengths):
+        slots = _slots(tables, s, n)
+        keys, values = k_pool[1][:, slots].float(), v_pool[1][:, slots].float()
+        query = q[s].view(KV_HEADS, HEADS // KV_HEADS, D)
+        expected = F.scaled_dot_product_attention(query[None], keys[None], values[None], scale=0.125)
+        torch.testing.assert_close(out[s], expected.reshape(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_rows_are_bit_identical_alone_or_batched(lib):
+    lengths = [700, 3, 260]
+    k_pool, v_pool, tables = _paged(torch.float32, lengths)
+    q = torch.randn(len(lengths), HEADS, D, generator=torch.Generator().manual_seed(6))
+    batched = lib.attention(q, k_pool, v_pool, 0, tables, torch.tensor(lengths), BLOCK, 0.125)
+    for s, n in enumerate(lengths):
+        alone = lib.attention(q[s : s + 1].contiguous(), k_pool, v_pool, 0, tables[s : s + 1].contiguous(),
+                              torch.tensor([n]), BLOCK, 0.125)
+        assert torch.equal(batched[s], alone[0])
+
+
+def test_out_of_range_blocks_and_slots_are_refused_not_read(lib):
+    k_pool, v_pool, tables = _paged(torch.float32, [20])
+    q = torch.zeros(1, HEADS, D)
+    tables[0, 1] = 10_000
+    with pytest.raises(RuntimeError, match="block out of range"):
+        lib.attention(q, k_pool, v_pool, 0, tables, torch.tensor([20]), BLOCK, 0.125)
+    with pytest.raises(RuntimeError, match="length outside the block table"):
+        lib.attention(q, k_pool, v_pool, 0, tables, torch.tensor([33]), BLOCK, 0.125)
+    qkv = torch.zeros(1, (HEADS + 2 * KV_HEADS) * D)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        lib.rope_write(qkv, torch.ones(1, D), torch.zeros(1, D), k_pool, v_pool, 0, torch.tensor([-1]), HEADS, KV_HEADS)
+
+
+def test_disabled_kernels_report_why_and_log_once(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_STATE", {})
+    monkeypatch.setenv("KVBATON_KERNELS", "0")
+    caplog.set_level(logging.WARNING, logger=kernels.__name__)
+    assert kernels.load() is None and kernels.load() is None
+    assert kernels.unavailable_reason() == "disabled by KVBATON_KERNELS"
+    assert sum("disabled by KVBATON_KERNELS" in r.message for r in caplog.records) == 1
+
+
+def test_a_failed_build_is_reported_not_raised(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_STATE", {})
+    monkeypatch.delenv("KVBATON_KERNELS", raising=False)
+
+    def no_compiler() -> None:
+        raise RuntimeError("Error building extension\ng++: command not found")
+
+    monkeypatch.setattr(kernels, "_build", no_compiler)
+    caplog.set_level(logging.WARNING, logger=kernels.__name__)
+    assert kernels.load() is None
+    assert kernels.unavailable_reason() == "build failed: g++: command not found"
+    assert any("fused decode uses oneDNN" in r.message for r in caplog.records)
+
+
+def test_the_build_is_keyed_by_source_torch_and_cpu(monkeypatch):
+    key = kernels.build_key()
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "another instruction set")
+    assert kernels.build_key() != key
