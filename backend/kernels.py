@@ -75,7 +75,10 @@ def _build() -> ModuleType:
     directory.mkdir(parents=True, exist_ok=True)
     source = directory / SOURCE
     if not source.exists() or source.read_text() != _source():
-        source.write_text(_source())
+        # Atomically: another process may be compiling this very file right now.
+        partial = directory / f".{SOURCE}.{os.getpid()}"
+        partial.write_text(_source())
+        os.replace(partial, source)
     cached = any(directory.glob("*.so"))
     if not cached:
         log.info("building kvbaton decode kernels for this CPU (once per machine, ~40 s) in %s", directory)
