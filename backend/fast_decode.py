@@ -46,6 +46,13 @@ _PACK_BATCH = 8
 _REFUSED: set[str] = set()  # reasons already logged
 
 
+def _warn_once(reason: str, message: str) -> None:
+    """Log a fallback (``message % reason``) the first time its reason comes up in this process."""
+    if reason not in _REFUSED:
+        _REFUSED.add(reason)
+        log.warning(message, reason)
+
+
 def unsupported_reason(model: Any) -> str | None:
     """Why the fast path cannot run this model (None: it can)."""
     name = type(model).__name__
@@ -208,9 +215,7 @@ def _kvbaton_kernels(loaded: LoadedModel) -> Any:
         return None
     why_not = kernels_fit(loaded.model)
     if why_not is not None:
-        if why_not not in _REFUSED:
-            _REFUSED.add(why_not)
-            log.warning("kvbaton kernels do not fit this model (%s): fused decode uses oneDNN", why_not)
+        _warn_once(why_not, "kvbaton kernels do not fit this model (%s): fused decode uses oneDNN")
         return None
     return kernel_library.load()
 
@@ -246,9 +251,7 @@ class FastDecoder:
         """The fast decoder for this model, or None (logged once) when it must use the model's forward."""
         reason = unsupported_reason(loaded.model)
         if reason is not None:
-            if reason not in _REFUSED:
-                _REFUSED.add(reason)
-                log.warning("fast decode unavailable (%s): decode steps run the model's own forward", reason)
+            _warn_once(reason, "fast decode unavailable (%s): decode steps run the model's own forward")
             return None
         return cls(decode_weights(loaded), pool, loaded.device)
 

@@ -2,29 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-
 from conftest import dense_greedy
 from kvbaton import SamplingParams
-
-
-def run_concurrently(fns):
-    results = [None] * len(fns)
-    errors = []
-
-    def call(i):
-        try:
-            results[i] = fns[i]()
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    return results
+from kvbaton.bench.common import parallel  # raises the first request's error, failing the test
 
 
 def test_batched_decodes_equal_each_request_alone(engine, reference, corpus_tokens):
@@ -36,7 +16,7 @@ def test_batched_decodes_equal_each_request_alone(engine, reference, corpus_toke
     suffixes = [corpus_tokens[2000 + 9 * i : 2009 + 9 * i] for i in range(4)]
     jobs += [lambda s=s: engine.resume(shared, s, params) for s in suffixes]
 
-    results = run_concurrently(jobs)
+    results = parallel(jobs)
 
     expected = [dense_greedy(reference, p, 12)[0] for p in prompts]
     expected += [dense_greedy(reference, corpus_tokens[:150] + s, 12)[0] for s in suffixes]
@@ -47,7 +27,7 @@ def test_batched_decodes_equal_each_request_alone(engine, reference, corpus_toke
 def test_long_prefill_is_chunked_between_decodes(engine, corpus_tokens):
     long_prompt = corpus_tokens[:1800]  # several chunks of prefill_chunk tokens
     short = engine.materialize(corpus_tokens[2000:2040])
-    results = run_concurrently([
+    results = parallel([
         lambda: engine.complete(long_prompt, SamplingParams(max_tokens=2, ignore_eos=True)),
         lambda: engine.resume(short, [], SamplingParams(max_tokens=30, ignore_eos=True)),
     ])
