@@ -36,6 +36,7 @@ class SeqAttention:
     read_slots: torch.Tensor | slice  # pool slots of all tokens it attends to (context + new)
     mask: torch.Tensor | None  # [q_len, kv_len] bool, None when plain causal or single query
     causal: bool  # new tokens are the whole sequence: SDPA's causal flag is exact
+    prefix: int = 0  # split attention (CPU): cached tokens seen unmasked, then causal over the new ones
 
 
 @dataclass
@@ -48,7 +49,8 @@ def build_seq_attention(pool: BlockPool, blocks: list[int], q_start: int, start:
     """Metadata for a sequence that has ``start`` cached tokens and ``q_len`` new ones."""
     end = start + q_len
     mask = None
-    if start > 0 and q_len > 1:
+    split = start > 0 and q_len > 1 and pool.device.type == "cpu"
+    if start > 0 and q_len > 1 and not split:
         # Query i (absolute position start+i) sees keys 0..start+i: bottom-right aligned causal mask.
         q_pos = torch.arange(start, end, device=pool.device)[:, None]
         mask = torch.arange(end, device=pool.device)[None, :] <= q_pos
@@ -59,6 +61,7 @@ def build_seq_attention(pool: BlockPool, blocks: list[int], q_start: int, start:
         read_slots=pool.slots(blocks, 0, end),
         mask=mask,
         causal=start == 0 and q_len > 1,
+        prefix=start if split else 0,
     )
 
 
@@ -86,6 +89,9 @@ def paged_attention_forward(
         # query/key/value: [1, heads, packed_tokens, head_dim]; the model has already applied RoPE.
         pool.write(layer, seq.write_slots, key[0, :, seq.q_start : q_end], value[0, :, seq.q_start : q_end])
         k, v = pool.read(layer, seq.read_slots)
+        if seq.prefix:
+            outputs.append(_prefix_then_causal(query[:, :, seq.q_start : q_end], k, v, seq.prefix, scaling))
+            continue
         outputs.append(
             F.scaled_dot_product_attention(
                 query[:, :, seq.q_start : q_end],
@@ -99,6 +105,37 @@ def paged_attention_forward(
         )
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _prefix_then_causal(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: int, scaling: float | None
+) -> torch.Tensor:
+    """Attention of a later prefill chunk on CPU, without a mask.
+
+    PyTorch's CPU flash attention is fastest with no mask or with its causal flag, and a chunk
+    behind cached tokens needs neither: its queries see every cached key (no mask) and the
+    chunk's own keys causally (the flag, top-left aligned because that part is square). Both
+    parts return their log-sum-exp, which merges them exactly as one softmax over all keys.
+    query: ``[1, heads, q_len, d]``; key/value: ``[kv_heads, prefix + q_len, d]``.
+    """
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    _, heads, q_len, d = query.shape
+    kv_heads = key.shape[0]
+    group = heads // kv_heads
+    # Cached part: fold each GQA group into the query axis, so every K/V row is read once per
+    # group rather than copied ``group`` times (query head h uses K/V head h // group).
+    folded = query.reshape(1, kv_heads, group * q_len, d)
+    out_p, lse_p = flash(folded, key[None, :, :prefix], value[None, :, :prefix], 0.0, False, scale=scaling)[:2]
+    own_k = key[:, prefix:].repeat_interleave(group, dim=0)[None]
+    own_v = value[:, prefix:].repeat_interleave(group, dim=0)[None]
+    out_c, lse_c = flash(query, own_k, own_v, 0.0, True, scale=scaling)[:2]
+    lse_p = lse_p.reshape(1, heads, q_len)
+    top = torch.maximum(lse_p, lse_c)
+    w_p, w_c = torch.exp(lse_p - top), torch.exp(lse_c - top)
+    total = (w_p + w_c).unsqueeze(-1)
+    merged = out_p.reshape(1, heads, q_len, d).float() * (w_p.unsqueeze(-1) / total)
+    merged += out_c.float() * (w_c.unsqueeze(-1) / total)
+    return merged.to(query.dtype)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -1050,12 +1050,21 @@ class Engine:
     def _compute_until(self, state: KVState, until: int) -> torch.Tensor | None:
         """Like :meth:`_compute`, for positions up to ``until`` only (None: nothing was computed)."""
         logits = state.last_logits if until == state.num_tokens else None
-        while state.num_cached < until:
-            start = state.num_cached
-            end = min(until, start + self.prefill_chunk)
-            logits = self.scheduler.run(Chunk(list(state.blocks), start, state.token_ids[start:end]))
-            state.num_cached = end
+        if until - state.num_cached <= self.prefill_chunk:  # one chunk: decode steps, short prompts
+            if state.num_cached < until:
+                logits = self._compute_chunk(state, until)
+        else:
+            with self.scheduler.prefilling():
+                while state.num_cached < until:
+                    size = self.scheduler.chunk_tokens(self.prefill_chunk)
+                    logits = self._compute_chunk(state, min(until, state.num_cached + size))
         state.last_logits = logits if until == state.num_tokens else None
+        return logits
+
+    def _compute_chunk(self, state: KVState, end: int) -> torch.Tensor:
+        start = state.num_cached
+        logits = self.scheduler.run(Chunk(list(state.blocks), start, state.token_ids[start:end]))
+        state.num_cached = end
         return logits
 
     def _prefill_registered(self, state: KVState, agent: str | None = None) -> Handle:

@@ -5,7 +5,9 @@ piece of work — a prefill chunk or a single decode token — to :meth:`Schedul
 until its logits are back. The scheduler thread takes everything waiting, up to a token budget,
 and runs it as ONE packed forward (``ModelRunner.forward`` accepts many sequences), so decode
 steps of concurrent requests share a single pass over the weights. A long prompt is submitted one
-chunk at a time by its request, so it delays the decodes of others by at most one chunk.
+chunk at a time by its request, so it delays the decodes of others by at most one chunk; a prompt
+with no other request active goes in chunks as large as the token budget, since splitting it
+further would only cost (smaller matrix products, attention re-reading the cached part).
 
 Forwards never run under the engine lock: a request only submits work for blocks it owns (written
 ones are private, thanks to copy-on-write) or pins (read ones), so eviction and prefetch can go on
@@ -38,6 +40,7 @@ class Scheduler:
         self._runner = runner
         self.gather_s = gather_s
         self._decoding = 0  # requests inside their decode loop
+        self._prefilling = 0  # requests inside a prefill of several chunks
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
         self._pending: deque[_Work] = deque()
@@ -49,9 +52,20 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="kvbaton-scheduler", daemon=True)
         self._thread.start()
 
-    def decoding(self) -> _Decoding:
+    def decoding(self) -> _Active:
         """Context manager a request holds while it decodes, so its next step is waited for."""
-        return _Decoding(self)
+        return _Active(self, "_decoding")
+
+    def prefilling(self) -> _Active:
+        """Context manager a request holds while it prefills a prompt longer than one chunk."""
+        return _Active(self, "_prefilling")
+
+    def chunk_tokens(self, contended: int) -> int:
+        """Size of a prefilling request's next chunk: ``contended`` tokens while any other request
+        is active (its decodes wait at most one such chunk), the whole token budget when alone."""
+        with self._cv:
+            alone = not self._pending and self._decoding == 0 and self._prefilling <= 1
+        return max(contended, self.max_batch_tokens) if alone else contended
 
     def run(self, chunk: Chunk) -> torch.Tensor:
         """Compute one chunk (batched with whatever else is waiting); its logits (see ``ModelRunner.forward``)."""
@@ -118,15 +132,18 @@ class Scheduler:
                     work.done.set()
 
 
-class _Decoding:
-    def __init__(self, scheduler: Scheduler) -> None:
+class _Active:
+    """Counts a request in one of the scheduler's activity counters while held."""
+
+    def __init__(self, scheduler: Scheduler, counter: str) -> None:
         self._scheduler = scheduler
+        self._counter = counter
 
     def __enter__(self) -> None:
         with self._scheduler._cv:
-            self._scheduler._decoding += 1
+            setattr(self._scheduler, self._counter, getattr(self._scheduler, self._counter) + 1)
 
     def __exit__(self, *exc: object) -> None:
         with self._scheduler._cv:
-            self._scheduler._decoding -= 1
+            setattr(self._scheduler, self._counter, getattr(self._scheduler, self._counter) - 1)
             self._scheduler._cv.notify()

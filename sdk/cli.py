@@ -61,7 +61,8 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--device", default="cpu", help="torch device (default cpu)")
     eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     eng.add_argument("--prefill-chunk", type=int, default=512,
-                     help="most tokens per prefill forward; bounds how long a prompt stalls others (default 512)")
+                     help="most tokens per prefill forward while other requests are active; bounds how long "
+                     "a prompt stalls them (default 512; a prompt alone goes in chunks of 1024)")
     eng.add_argument("--no-fast-decode", action="store_true",
                      help="decode through the model's own forward instead of kvbaton's fused decode step "
                      "(saves the packed copy of the weights; docs/engine.md)")

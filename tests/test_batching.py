@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 from conftest import dense_greedy
+
 from kvbaton import SamplingParams
+from kvbaton.backend import Engine
 from kvbaton.bench.common import parallel  # raises the first request's error, failing the test
 
 
@@ -33,3 +36,46 @@ def test_long_prefill_is_chunked_between_decodes(engine, corpus_tokens):
     ])
     assert results[0].timings.tokens_prefilled == 1800
     assert len(results[1].token_ids) == 30
+
+
+def _chunk_sizes(engine, monkeypatch) -> list[int]:
+    """Record the size of every prefill chunk the engine's forwards receive."""
+    sizes: list[int] = []
+    forward = engine.runner.forward
+
+    def recording(chunks):
+        sizes.extend(len(c.token_ids) for c in chunks if len(c.token_ids) > 1)
+        return forward(chunks)
+
+    monkeypatch.setattr(engine.runner, "forward", recording)
+    return sizes
+
+
+def test_prompt_alone_is_prefilled_in_chunks_of_the_token_budget(reference, corpus_tokens, monkeypatch):
+    """Nothing else to interleave with: smaller chunks would only cost, and the result is the same."""
+    engine = Engine(kv_budget="64MiB", prefill_chunk=64, max_batch_tokens=256)
+    try:
+        sizes = _chunk_sizes(engine, monkeypatch)
+        prompt = corpus_tokens[:600]
+        logits = engine.next_token_logits(engine.materialize(prompt[:-1]), prompt[-1:])
+        assert sizes == [256, 256, 87]
+        _, dense = dense_greedy(reference, prompt, 0)
+        assert torch.max(torch.abs(logits - dense)).item() < 1e-4
+    finally:
+        engine.close()
+
+
+def test_prompt_beside_a_decoding_request_is_prefilled_in_small_chunks(reference, corpus_tokens, monkeypatch):
+    """Another request is decoding: each chunk stalls it, so chunks stay at ``prefill_chunk``."""
+    engine = Engine(kv_budget="64MiB", prefill_chunk=64, max_batch_tokens=256)
+    try:
+        sizes = _chunk_sizes(engine, monkeypatch)
+        prompt = corpus_tokens[:300]
+        with engine.scheduler.decoding():  # as a streaming request holds it between its steps
+            handle = engine.materialize(prompt[:-1])
+        logits = engine.next_token_logits(handle, prompt[-1:])
+        assert sizes == [64, 64, 64, 64, 43]
+        _, dense = dense_greedy(reference, prompt, 0)
+        assert torch.max(torch.abs(logits - dense)).item() < 1e-4
+    finally:
+        engine.close()
