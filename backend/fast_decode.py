@@ -105,8 +105,8 @@ def kernels_fit(model: Any) -> str | None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim not in (64, 128) or config.intermediate_size % _LANES:
         return "head_dim must be 64 or 128 and intermediate_size a multiple of 16"
-    if config.hidden_size % 4 or config.intermediate_size % 4:
-        return "hidden and intermediate sizes must be multiples of 4"
+    if config.hidden_size % 2:  # bf16 weights are packed in pairs along the input
+        return "hidden_size must be even"
     if not all(hasattr(norm, "variance_epsilon") for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
         return "norms without variance_epsilon"
     return None

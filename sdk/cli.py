@@ -62,7 +62,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     eng.add_argument("--prefill-chunk", type=int, default=512,
                      help="most tokens per prefill forward while other requests are active; bounds how long "
-                     "a prompt stalls them (default 512; a prompt alone goes in chunks of 1024)")
+                     "a prompt stalls them (default 512)")
+    eng.add_argument("--max-batch-tokens", type=int, default=2048,
+                     help="most tokens in one forward, and the chunk of a prompt prefilled while no other "
+                     "request is active (default 2048)")
     eng.add_argument("--no-fast-decode", action="store_true",
                      help="decode through the model's own forward instead of kvbaton's fused decode step "
                      "(saves the packed copy of the weights; docs/engine.md)")
@@ -124,6 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device,
         "block_size": args.block_size,
         "prefill_chunk": args.prefill_chunk,
+        "max_batch_tokens": args.max_batch_tokens,
         "prefix_cache": not args.no_prefix_cache,
         "eviction": args.eviction,
         "tiers": args.tiers or (),

@@ -417,7 +417,8 @@ def connect(
 
     ``connect()`` starts an embedded engine with the default model in this process;
     ``connect(model="/path/to/hf-checkpoint")`` another local model. Engine options
-    (``dtype``, ``device``, ``kv_budget``, ``block_size``, ``prefill_chunk``) pass through.
+    (``dtype``, ``device``, ``kv_budget``, ``block_size``, ``prefill_chunk``, ``max_batch_tokens``)
+    pass through.
 
     ``connect("http://host:8470", token=...)`` talks to a ``kvbaton serve`` server instead
     (token defaults to ``$KVBATON_TOKEN``; options ``timeout``, ``connect_timeout``, ``headers``).

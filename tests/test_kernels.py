@@ -178,3 +178,17 @@ def test_the_build_is_keyed_by_source_torch_and_cpu(monkeypatch):
     key = kernels.build_key()
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: "another instruction set")
     assert kernels.build_key() != key
+
+
+@pytest.mark.parametrize(("field", "value", "reason"), [
+    ("hidden_size", 577, "hidden_size must be even"),
+    ("intermediate_size", 1544, "multiple of 16"),
+])
+def test_kernels_fit_the_default_model_and_say_which_shape_does_not(monkeypatch, field, value, reason):
+    from kvbaton.backend import load_model
+    from kvbaton.backend.fast_decode import kernels_fit
+
+    model = load_model().model
+    assert kernels_fit(model) is None
+    monkeypatch.setattr(model.config, field, value)
+    assert reason in kernels_fit(model)

@@ -1,7 +1,7 @@
 """Engine speed against plain transformers on the same model and dtype, side by side in one run.
 
 - prefill tokens/s at 512 and 2048 tokens (kvbaton paged prefill vs ``model(input_ids)``); a
-  prompt alone goes in chunks of the scheduler's token budget (1024), and one more row prefills
+  prompt alone goes in chunks of the scheduler's token budget (2048), and one more row prefills
   2048 tokens in the 512-token chunks used while other requests are active;
 - decode ms/token at 512 and 4K context (kvbaton vs transformers with its own KV cache);
 - decode tokens/s with 1, 8 and 32 concurrent sequences (kvbaton continuous batching; the
@@ -104,7 +104,7 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
         for eng, n, label in cells:
             tokens = corpus[:n]
             ours, theirs = [], []
-            for _ in range(repeats):  # alternating, like the decode cells
+            for _ in range(2 * repeats):  # alternating; short cells, so twice the runs against drift
                 ours.append(timed(lambda: eng.release(eng.materialize(tokens)))[0])
                 theirs.append(_hf_prefill_s(hf, tokens))
             rows.append({"dtype": dtype, "metric": f"prefill tok/s @{n}{label}", "kvbaton": n / min(ours),
