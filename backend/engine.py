@@ -114,8 +114,8 @@ class Engine:
         correction: CorrectionConfig | dict[str, Any] | None = None,
         fast_decode: bool = True,
     ) -> None:
-        if block_size < 1 or prefill_chunk < 1 or lookahead < 0:
-            raise InvalidRequest("block_size and prefill_chunk must be positive, lookahead >= 0")
+        if block_size < 1 or prefill_chunk < 1 or max_batch_tokens < 1 or lookahead < 0:
+            raise InvalidRequest("block_size, prefill_chunk and max_batch_tokens must be positive, lookahead >= 0")
         if tiers and not prefix_cache:
             raise InvalidRequest("slow tiers hold evicted prefix-cache blocks: they need prefix_cache=True")
         self.loaded: LoadedModel = load_model(

@@ -136,6 +136,8 @@ def test_invalid_engine_options():
         Engine(kv_budget="lots")
     with pytest.raises(InvalidRequest):
         Engine(dtype="float8")
+    with pytest.raises(InvalidRequest, match="max_batch_tokens"):
+        Engine(max_batch_tokens=0)
 
 
 def test_text_that_cannot_be_encoded_is_invalid_request(engine):
