@@ -149,6 +149,11 @@ def test_out_of_range_blocks_and_slots_are_refused_not_read(lib):
     qkv = torch.zeros(1, (HEADS + 2 * KV_HEADS) * D)
     with pytest.raises(RuntimeError, match="slot out of range"):
         lib.rope_write(qkv, torch.ones(1, D), torch.zeros(1, D), k_pool, v_pool, 0, torch.tensor([-1]), HEADS, KV_HEADS)
+    short_v = v_pool[:, :, :16].contiguous()  # a V pool smaller than the K pool would be written out of bounds
+    with pytest.raises(RuntimeError, match="K and V pools differ"):
+        lib.rope_write(qkv, torch.ones(1, D), torch.zeros(1, D), k_pool, short_v, 0, torch.tensor([0]), HEADS, KV_HEADS)
+    with pytest.raises(RuntimeError, match="K and V pools differ"):
+        lib.attention(q, k_pool, short_v, 0, tables, torch.tensor([20]), BLOCK, 0.125)
 
 
 def test_disabled_kernels_report_why_and_log_once(monkeypatch, caplog):

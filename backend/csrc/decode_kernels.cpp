@@ -74,6 +74,12 @@ inline vf vexp(vf x) {
 
 template <typename T> T* ptr(const torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
+// The K and V pools: contiguous [layers, kv_heads, slots, d], one shape and dtype for both.
+void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool) {
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4, "pool must be contiguous [L, G, S, d]");
+  TORCH_CHECK(v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == k_pool.scalar_type(), "K and V pools differ");
+}
+
 void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
               name, " must be a contiguous fp32 CPU tensor");
@@ -285,7 +291,7 @@ torch::Tensor rope_write(const torch::Tensor& qkv, const torch::Tensor& cos, con
                          torch::Tensor& k_pool, torch::Tensor& v_pool, int64_t layer, const torch::Tensor& slots,
                          int64_t heads, int64_t kv_heads) {
   check_f32(qkv, "qkv"); check_f32(cos, "cos"); check_f32(sin, "sin");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4, "pool must be contiguous [L, G, S, d]");
+  check_pools(k_pool, v_pool);
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == qkv.size(0), "slots");
   const int64_t d = k_pool.size(3), pool_slots = k_pool.size(2), n = qkv.size(0);
   TORCH_CHECK(k_pool.size(1) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * d && cos.size(1) == d, "shapes");
@@ -445,7 +451,7 @@ void attention_impl(const float* q, const KV* kp, const KV* vp, int64_t layer, c
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool, int64_t layer,
                         const torch::Tensor& tables, const torch::Tensor& lengths, int64_t block_size, double scale) {
   check_f32(q, "q");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4, "pool must be contiguous [L, G, S, d]");
+  check_pools(k_pool, v_pool);
   TORCH_CHECK(tables.scalar_type() == torch::kInt32 && tables.is_contiguous() && tables.dim() == 2, "tables must be int32 [n, blocks]");
   TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.is_contiguous(), "lengths must be int64");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
