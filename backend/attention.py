@@ -49,8 +49,9 @@ def build_seq_attention(pool: BlockPool, blocks: list[int], q_start: int, start:
     """Metadata for a sequence that has ``start`` cached tokens and ``q_len`` new ones."""
     end = start + q_len
     mask = None
-    split = start > 0 and q_len > 1 and pool.device.type == "cpu"
-    if start > 0 and q_len > 1 and not split:
+    behind_cache = start > 0 and q_len > 1
+    split = behind_cache and pool.device.type == "cpu"
+    if behind_cache and not split:
         # Query i (absolute position start+i) sees keys 0..start+i: bottom-right aligned causal mask.
         q_pos = torch.arange(start, end, device=pool.device)[:, None]
         mask = torch.arange(end, device=pool.device)[None, :] <= q_pos

@@ -48,10 +48,14 @@ def _source() -> str:
     return resources.files("kvbaton.backend").joinpath("csrc", SOURCE).read_text()
 
 
-def build_key() -> str:
-    """What the compiled library depends on: source, torch, CPU features."""
-    text = "\n".join((_source(), torch.__version__, platform.machine(), _cpu_flags(), " ".join(_cflags())))
+def build_key(source: str | None = None) -> str:
+    """What the compiled library depends on: source (read here unless given), torch, CPU features."""
+    text = "\n".join((source or _source(), torch.__version__, platform.machine(), _cpu_flags(), " ".join(_cflags())))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _disabled() -> bool:
+    return os.environ.get("KVBATON_KERNELS", "1").lower() in _OFF
 
 
 def _cflags() -> list[str]:
@@ -70,14 +74,15 @@ def _build() -> ModuleType:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    key = build_key()
+    text = _source()
+    key = build_key(text)
     directory = cache_dir() / "kernels" / key
     directory.mkdir(parents=True, exist_ok=True)
     source = directory / SOURCE
-    if not source.exists() or source.read_text() != _source():
+    if not source.exists() or source.read_text() != text:
         # Atomically: another process may be compiling this very file right now.
         partial = directory / f".{SOURCE}.{os.getpid()}"
-        partial.write_text(_source())
+        partial.write_text(text)
         os.replace(partial, source)
     cached = any(directory.glob("*.so"))
     if not cached:
@@ -102,7 +107,7 @@ def _first_error(exc: Exception) -> str:
 
 def status() -> str:
     """One line for `kvbaton info`, without building anything."""
-    if os.environ.get("KVBATON_KERNELS", "1").lower() in _OFF:
+    if _disabled():
         return "disabled by KVBATON_KERNELS"
     if "module" in _STATE:
         return "loaded"
@@ -123,7 +128,7 @@ def load() -> ModuleType | None:
     """The compiled kernels module, or None (the reason logged once, see :func:`unavailable_reason`)."""
     with _LOCK:
         if not _STATE:
-            if os.environ.get("KVBATON_KERNELS", "1").lower() in _OFF:
+            if _disabled():
                 _STATE["error"] = "disabled by KVBATON_KERNELS"
             else:
                 try:

@@ -17,7 +17,7 @@ meanwhile. All forwards run on this one thread, which is what serializes them.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +39,8 @@ class Scheduler:
     ) -> None:
         self._runner = runner
         self.gather_s = gather_s
-        self._decoding = 0  # requests inside their decode loop
-        self._prefilling = 0  # requests inside a prefill of several chunks
+        # Requests inside their decode loop ("decoding") or a prefill of several chunks ("prefilling").
+        self._active: Counter[str] = Counter()
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
         self._pending: deque[_Work] = deque()
@@ -54,17 +54,17 @@ class Scheduler:
 
     def decoding(self) -> _Active:
         """Context manager a request holds while it decodes, so its next step is waited for."""
-        return _Active(self, "_decoding")
+        return _Active(self, "decoding")
 
     def prefilling(self) -> _Active:
         """Context manager a request holds while it prefills a prompt longer than one chunk."""
-        return _Active(self, "_prefilling")
+        return _Active(self, "prefilling")
 
     def chunk_tokens(self, contended: int) -> int:
         """Size of a prefilling request's next chunk: ``contended`` tokens while any other request
         is active (its decodes wait at most one such chunk), the whole token budget when alone."""
         with self._cv:
-            alone = not self._pending and self._decoding == 0 and self._prefilling <= 1
+            alone = not self._pending and self._active["decoding"] == 0 and self._active["prefilling"] <= 1
         return max(contended, self.max_batch_tokens) if alone else contended
 
     def run(self, chunk: Chunk) -> torch.Tensor:
@@ -109,7 +109,7 @@ class Scheduler:
                 # Decoding requests come back a moment after their last step (sampling, text):
                 # wait briefly for all of them, so a step runs once for everyone, not in pieces.
                 self._cv.wait_for(
-                    lambda: len(self._pending) >= self._decoding or self._closed, timeout=self.gather_s
+                    lambda: len(self._pending) >= self._active["decoding"] or self._closed, timeout=self.gather_s
                 )
                 if self._closed:
                     for work in self._pending:
@@ -133,17 +133,17 @@ class Scheduler:
 
 
 class _Active:
-    """Counts a request in one of the scheduler's activity counters while held."""
+    """Counts a request as ``activity`` ("decoding", "prefilling") in its scheduler while held."""
 
-    def __init__(self, scheduler: Scheduler, counter: str) -> None:
+    def __init__(self, scheduler: Scheduler, activity: str) -> None:
         self._scheduler = scheduler
-        self._counter = counter
+        self._activity = activity
 
     def __enter__(self) -> None:
         with self._scheduler._cv:
-            setattr(self._scheduler, self._counter, getattr(self._scheduler, self._counter) + 1)
+            self._scheduler._active[self._activity] += 1
 
     def __exit__(self, *exc: object) -> None:
         with self._scheduler._cv:
-            setattr(self._scheduler, self._counter, getattr(self._scheduler, self._counter) - 1)
+            self._scheduler._active[self._activity] -= 1
             self._scheduler._cv.notify()

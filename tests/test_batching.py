@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import dense_greedy
 
@@ -38,8 +39,11 @@ def test_long_prefill_is_chunked_between_decodes(engine, corpus_tokens):
     assert len(results[1].token_ids) == 30
 
 
-def _chunk_sizes(engine, monkeypatch) -> list[int]:
-    """Record the size of every prefill chunk the engine's forwards receive."""
+@pytest.fixture
+def chunking(monkeypatch):
+    """A small engine (chunks of 64 tokens while contended, budget 256) and the size of every prefill
+    chunk its forwards receive."""
+    engine = Engine(kv_budget="64MiB", prefill_chunk=64, max_batch_tokens=256)
     sizes: list[int] = []
     forward = engine.runner.forward
 
@@ -48,34 +52,31 @@ def _chunk_sizes(engine, monkeypatch) -> list[int]:
         return forward(chunks)
 
     monkeypatch.setattr(engine.runner, "forward", recording)
-    return sizes
+    yield engine, sizes
+    engine.close()
 
 
-def test_prompt_alone_is_prefilled_in_chunks_of_the_token_budget(reference, corpus_tokens, monkeypatch):
+def _matches_dense(engine, handle, prompt, reference) -> bool:
+    """The next-token logits after ``handle`` + the prompt's last token equal dense prefill's."""
+    logits = engine.next_token_logits(handle, prompt[-1:])
+    _, dense = dense_greedy(reference, prompt, 0)
+    return torch.max(torch.abs(logits - dense)).item() < 1e-4
+
+
+def test_prompt_alone_is_prefilled_in_chunks_of_the_token_budget(chunking, reference, corpus_tokens):
     """Nothing else to interleave with: smaller chunks would only cost, and the result is the same."""
-    engine = Engine(kv_budget="64MiB", prefill_chunk=64, max_batch_tokens=256)
-    try:
-        sizes = _chunk_sizes(engine, monkeypatch)
-        prompt = corpus_tokens[:600]
-        logits = engine.next_token_logits(engine.materialize(prompt[:-1]), prompt[-1:])
-        assert sizes == [256, 256, 87]
-        _, dense = dense_greedy(reference, prompt, 0)
-        assert torch.max(torch.abs(logits - dense)).item() < 1e-4
-    finally:
-        engine.close()
+    engine, sizes = chunking
+    prompt = corpus_tokens[:600]
+    handle = engine.materialize(prompt[:-1])
+    assert sizes == [256, 256, 87]
+    assert _matches_dense(engine, handle, prompt, reference)
 
 
-def test_prompt_beside_a_decoding_request_is_prefilled_in_small_chunks(reference, corpus_tokens, monkeypatch):
+def test_prompt_beside_a_decoding_request_is_prefilled_in_small_chunks(chunking, reference, corpus_tokens):
     """Another request is decoding: each chunk stalls it, so chunks stay at ``prefill_chunk``."""
-    engine = Engine(kv_budget="64MiB", prefill_chunk=64, max_batch_tokens=256)
-    try:
-        sizes = _chunk_sizes(engine, monkeypatch)
-        prompt = corpus_tokens[:300]
-        with engine.scheduler.decoding():  # as a streaming request holds it between its steps
-            handle = engine.materialize(prompt[:-1])
-        logits = engine.next_token_logits(handle, prompt[-1:])
-        assert sizes == [64, 64, 64, 64, 43]
-        _, dense = dense_greedy(reference, prompt, 0)
-        assert torch.max(torch.abs(logits - dense)).item() < 1e-4
-    finally:
-        engine.close()
+    engine, sizes = chunking
+    prompt = corpus_tokens[:300]
+    with engine.scheduler.decoding():  # as a streaming request holds it between its steps
+        handle = engine.materialize(prompt[:-1])
+    assert sizes == [64, 64, 64, 64, 43]
+    assert _matches_dense(engine, handle, prompt, reference)
