@@ -40,6 +40,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvbaton.capabilities import KVBATON, Capabilities
 from kvbaton.errors import (
     HandleNotFound,
     HandleReleased,
@@ -192,6 +193,15 @@ class Cluster:
         if calibrate and len(self.workers) > 1:
             self.calibrate()
         log.info("cluster ready: %d workers on %s", len(self.workers), ", ".join(w.device for w in self.workers))
+
+    @property
+    def max_context(self) -> int | None:
+        """The model's context length in tokens."""
+        return self.loaded.max_context
+
+    def capabilities(self) -> Capabilities:
+        """Every worker runs kvbaton's own engine."""
+        return KVBATON
 
     # -- startup ------------------------------------------------------------------------------
     def _start_local(

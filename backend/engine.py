@@ -28,6 +28,7 @@ from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+from kvbaton.capabilities import KVBATON, Capabilities
 from kvbaton.errors import (
     ContextTooLong,
     HandleNotFound,
@@ -167,6 +168,15 @@ class Engine:
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens",
             lm.name, dtype, device, self.pool.num_blocks, block_size,
         )
+
+    @property
+    def max_context(self) -> int | None:
+        """The model's context length in tokens."""
+        return self.loaded.max_context
+
+    def capabilities(self) -> Capabilities:
+        """What this engine does exactly, corrects, recomputes or cannot do."""
+        return KVBATON
 
     # -- public operators ---------------------------------------------------------------------
     def materialize(self, context: Context, *, agent: str | None = None) -> Handle:

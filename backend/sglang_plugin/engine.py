@@ -180,6 +180,11 @@ class SglangEngine:
     def capabilities(self) -> Capabilities:
         return SGLANG
 
+    @property
+    def max_context(self) -> int | None:
+        """The model's context length in tokens, when its config says."""
+        return self.loaded.max_context
+
     # -- tokens -----------------------------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:
