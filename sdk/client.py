@@ -9,7 +9,6 @@ only the ``connect`` target. :class:`AsyncClient` is the same interface with cor
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,34 +17,21 @@ from typing import Any, Self
 
 from pydantic import ValidationError
 
-from .capabilities import KVBATON, Capabilities
+from .capabilities import Capabilities
 from .errors import InvalidRequest
 from .handle import Handle, Segment
+from .ops import Context, HandleLike, KVOps, Messages
 from .stepgraph import StepGraph
 from .stream import AsyncTokenStream, TokenStream
-from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, SamplingParams, Stats
-
-HandleLike = Handle | str
-Context = str | Sequence[int]
-Messages = Sequence[ChatMessage | dict[str, Any]]
-
-
-def steps_map(
-    steps: Mapping[str, float] | StepGraph, running: Iterable[str], finished: Iterable[str]
-) -> dict[str, float]:
-    """Steps-to-execution as a plain mapping: a step graph is evaluated here, on the client side."""
-    if isinstance(steps, StepGraph):
-        return dict(steps.steps_to_execution(running=tuple(running), finished=tuple(finished)))
-    if not isinstance(steps, Mapping):
-        raise InvalidRequest("hints need a {agent: steps} mapping or a StepGraph")
-    out = {str(agent): value for agent, value in steps.items()}
-    for agent in running:
-        out[agent] = 0
-    return out
+from .types import AgentInfo, Composition, Fidelity, Result, SamplingParams, Stats
 
 
 def sampling_params(sampling: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
     """Merge keyword overrides (``max_tokens=8, temperature=0.7``) into sampling parameters."""
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise InvalidRequest(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if not overrides:
+        return sampling if sampling is not None else SamplingParams()
     base = sampling.model_dump() if sampling is not None else {}
     try:
         return SamplingParams.model_validate({**base, **overrides})
@@ -53,132 +39,81 @@ def sampling_params(sampling: SamplingParams | None, overrides: dict[str, Any]) 
         raise InvalidRequest(f"invalid sampling parameters: {exc}") from exc
 
 
-class Client(abc.ABC):
-    """Handle operators on one model. Sampling options may be given as a
-    :class:`~kvbaton.SamplingParams` or as keywords (``max_tokens``, ``temperature``, ``top_p``,
-    ``top_k``, ``seed``, ``stop``, ``ignore_eos``)."""
+def _mapping(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if value is None else dict(value)
 
-    @abc.abstractmethod
+
+class Client:
+    """Handle operators on one model, over any backend of the :class:`~kvbaton.ops.KVOps` contract
+    (``client.ops``): the embedded engine, a multi-device cluster, SGLang, or a server over HTTP.
+    Sampling options may be given as a :class:`~kvbaton.SamplingParams` or as keywords
+    (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``).
+
+    The client adds only that keyword convenience: every call goes to ``ops`` unchanged, so the
+    same code runs against every backend."""
+
+    def __init__(self, ops: KVOps) -> None:
+        self.ops = ops
+
     def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
         """Prefill ``context`` (text or token ids) and return a handle to its KV."""
+        return self.ops.materialize(context, agent=agent)
 
-    @abc.abstractmethod
     def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
         """``k`` new handles sharing every KV block of ``handle`` (zero copy)."""
+        return self.ops.fork(handle, k)
 
-    @abc.abstractmethod
     def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
         """A new handle: ``handle``'s context followed by ``context``, prefilled, nothing generated."""
+        return self.ops.extend(handle, context, agent=agent)
 
-    @abc.abstractmethod
     def resume(
-        self,
-        handle: HandleLike,
-        suffix: Context = "",
-        *,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
+        self, handle: HandleLike, suffix: Context = "", *, sampling: SamplingParams | None = None,
+        agent: str | None = None, **options: Any,
     ) -> Result:
         """Prefill ``suffix`` behind ``handle`` and generate."""
+        return self.ops.resume(handle, suffix, sampling_params(sampling, options), agent=agent)
 
-    @abc.abstractmethod
     def resume_stream(
-        self,
-        handle: HandleLike,
-        suffix: Context = "",
-        *,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
+        self, handle: HandleLike, suffix: Context = "", *, sampling: SamplingParams | None = None,
+        agent: str | None = None, **options: Any,
     ) -> TokenStream:
         """Like :meth:`resume`, yielding text as it is generated."""
+        return self.ops.resume_stream(handle, suffix, sampling_params(sampling, options), agent=agent)
 
-    @abc.abstractmethod
     def complete(
         self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
     ) -> Result:
         """Plain completion of text or token ids, without a handle or chat template (text replay)."""
+        return self.ops.complete(prompt, sampling_params(sampling, options), agent=agent)
 
-    @abc.abstractmethod
     def complete_stream(
         self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
     ) -> TokenStream:
         """Like :meth:`complete`, yielding text as it is generated."""
+        return self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent)
 
-    @abc.abstractmethod
     def generate(
-        self,
-        messages: Messages,
-        *,
-        handle: HandleLike | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
+        self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
     ) -> Result:
         """Chat generation; the KV of ``handle`` is reused for the longest common token prefix."""
+        return self.ops.generate(
+            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
+        )
 
-    @abc.abstractmethod
     def generate_stream(
-        self,
-        messages: Messages,
-        *,
-        handle: HandleLike | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
+        self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
     ) -> TokenStream:
         """Like :meth:`generate`, yielding text as it is generated."""
-
-    @abc.abstractmethod
-    def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
-        """Drop handles; their blocks are freed once no other handle shares them."""
-
-    @abc.abstractmethod
-    def stats(self) -> Stats:
-        """Pool usage and reuse counters."""
-
-    @abc.abstractmethod
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added)."""
-
-    @abc.abstractmethod
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids``."""
-
-    @abc.abstractmethod
-    def chat_tokens(
-        self,
-        messages: Messages,
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[int]:
-        """``messages`` rendered by the model's chat template, as token ids. Without the generation
-        prompt they are a prefix of any longer conversation: materialize shared context that way."""
-
-    @abc.abstractmethod
-    def register_agent(self, name: str, fixed_prompt: Context | Messages, *, prefill: bool = False) -> AgentInfo:
-        """Declare an agent's fixed prompt (text, token ids or chat messages) for workflow-aware
-        caching: its cached KV takes the agent's steps-to-execution. ``prefill`` computes it now."""
-
-    @abc.abstractmethod
-    def hints(
-        self, steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
-    ) -> dict[str, float]:
-        """Tell the backend how many steps until each agent runs (a mapping, or a step graph with
-        the agents running and finished now); agents due soon are prefetched. Returns the STE map."""
+        return self.ops.generate_stream(
+            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
+        )
 
     def compose(
-        self,
-        prefix: Handle | Context | None = None,
-        segments: Sequence[Segment | Handle] = (),
-        suffix: Context | None = None,
-        *,
-        agent: str | None = None,
-        mode: str = "auto",
+        self, prefix: Handle | Context | None = None, segments: Sequence[Segment | Handle] = (),
+        suffix: Context | None = None, *, agent: str | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
         """Assemble ``prefix + segments + suffix`` from existing KV (see docs/segments.md): each segment
@@ -187,7 +122,7 @@ class Client(abc.ABC):
         context (``mode="auto"``, gated, with dense fallback), only re-aligned (``"rotate"``), or
         recomputed (``"dense"``). The report says per segment what happened and why; approximate
         results have ``handle.exact == False``. ``correction`` overrides the anchor-pool settings."""
-        raise InvalidRequest(f"{type(self).__name__} does not support compose")
+        return self.ops.compose(prefix, segments, suffix, agent=agent, mode=mode, correction=_mapping(correction))
 
     def merge(
         self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
@@ -195,12 +130,12 @@ class Client(abc.ABC):
     ) -> Composition:
         """Restricted merge: prefix-compatible handles give the longest; segments are concatenated
         through :meth:`compose`; divergent KV of the same positions raises MergeConflict."""
-        raise InvalidRequest(f"{type(self).__name__} does not support merge")
+        return self.ops.merge(parts, agent=agent, mode=mode, correction=_mapping(correction))
 
     def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
         """Measure a (composed) handle against dense prefill of its tokens: first-token agreement,
         greedy agreement over ``max_tokens`` tokens and mean KL of the next-token distribution."""
-        raise InvalidRequest(f"{type(self).__name__} does not support fidelity")
+        return self.ops.fidelity(handle, max_tokens, reference=reference)
 
     def transfer(self, handle: HandleLike, device: int | str) -> Handle:
         """Move ``handle``'s KV to another device of a multi-device backend (a worker rank, or a
@@ -208,17 +143,51 @@ class Client(abc.ABC):
         or recomputes them from lineage, whichever its cost model predicts faster; the returned
         handle (same id) carries the new placement and a ``transfer`` lineage step. With a single
         device, a transfer to that device is a no-op and any other target raises InvalidRequest."""
-        raise InvalidRequest(f"{type(self).__name__} does not support transfer")
+        return self.ops.transfer(handle, device)
+
+    def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
+        """Drop handles; their blocks are freed once no other handle shares them."""
+        self.ops.release(handles)
+
+    def stats(self) -> Stats:
+        """Pool usage and reuse counters."""
+        return self.ops.stats()
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self.ops.tokenize(text)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``."""
+        return self.ops.detokenize(token_ids)
+
+    def chat_tokens(
+        self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """``messages`` rendered by the model's chat template, as token ids. Without the generation
+        prompt they are a prefix of any longer conversation: materialize shared context that way."""
+        return self.ops.chat_tokens(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
+    def register_agent(self, name: str, fixed_prompt: Context | Messages, *, prefill: bool = False) -> AgentInfo:
+        """Declare an agent's fixed prompt (text, token ids or chat messages) for workflow-aware
+        caching: its cached KV takes the agent's steps-to-execution. ``prefill`` computes it now."""
+        return self.ops.register_agent(name, fixed_prompt, prefill=prefill)
+
+    def hints(
+        self, steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
+    ) -> dict[str, float]:
+        """Tell the backend how many steps until each agent runs (a mapping, or a step graph with
+        the agents running and finished now); agents due soon are prefetched. Returns the STE map."""
+        return self.ops.hints(steps, running=running, finished=finished)
 
     def capabilities(self) -> Capabilities:
-        """What the engine behind this client does exactly, corrects, recomputes or cannot do
-        (kvbaton's own engine unless a client says otherwise)."""
-        return KVBATON
+        """What the engine behind this client does exactly, corrects, recomputes or cannot do."""
+        return self.ops.capabilities()
 
     def close(self) -> None:
         """Free the client's resources. The client is unusable afterwards."""
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -227,144 +196,127 @@ class Client(abc.ABC):
         self.close()
 
 
-class AsyncClient(abc.ABC):
-    """:class:`Client` with coroutines: the same methods, awaited. Streaming methods return an
+class AsyncClient:
+    """:class:`Client` with coroutines: the same methods, awaited, over an asynchronous backend
+    (``client.ops``: :class:`~kvbaton.ops.ThreadedOps` around an in-process engine, or
+    :class:`~kvbaton.http.AsyncHttpOps`). Streaming methods return an
     :class:`~kvbaton.stream.AsyncTokenStream` (``async for chunk in stream``; ``stream.result``)."""
 
-    @abc.abstractmethod
-    async def materialize(self, context: Context, *, agent: str | None = None) -> Handle: ...
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
 
-    @abc.abstractmethod
-    async def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]: ...
+    async def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
+        return await self.ops.materialize(context, agent=agent)  # type: ignore[no-any-return]
 
-    @abc.abstractmethod
-    async def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle: ...
+    async def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
+        return await self.ops.fork(handle, k)  # type: ignore[no-any-return]
 
-    @abc.abstractmethod
+    async def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
+        return await self.ops.extend(handle, context, agent=agent)  # type: ignore[no-any-return]
+
     async def resume(
-        self,
-        handle: HandleLike,
-        suffix: Context = "",
-        *,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> Result: ...
+        self, handle: HandleLike, suffix: Context = "", *, sampling: SamplingParams | None = None,
+        agent: str | None = None, **options: Any,
+    ) -> Result:
+        return await self.ops.resume(handle, suffix, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
 
-    @abc.abstractmethod
     async def resume_stream(
-        self,
-        handle: HandleLike,
-        suffix: Context = "",
-        *,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> AsyncTokenStream: ...
+        self, handle: HandleLike, suffix: Context = "", *, sampling: SamplingParams | None = None,
+        agent: str | None = None, **options: Any,
+    ) -> AsyncTokenStream:
+        return await self.ops.resume_stream(handle, suffix, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
 
-    @abc.abstractmethod
     async def complete(
         self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
-    ) -> Result: ...
+    ) -> Result:
+        return await self.ops.complete(prompt, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
 
-    @abc.abstractmethod
     async def complete_stream(
         self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
-    ) -> AsyncTokenStream: ...
+    ) -> AsyncTokenStream:
+        return await self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
 
-    @abc.abstractmethod
     async def generate(
-        self,
-        messages: Messages,
-        *,
-        handle: HandleLike | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> Result: ...
+        self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
+    ) -> Result:
+        return await self.ops.generate(  # type: ignore[no-any-return]
+            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
+        )
 
-    @abc.abstractmethod
     async def generate_stream(
-        self,
-        messages: Messages,
-        *,
-        handle: HandleLike | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> AsyncTokenStream: ...
-
-    @abc.abstractmethod
-    async def release(self, handles: HandleLike | Iterable[HandleLike]) -> None: ...
-
-    @abc.abstractmethod
-    async def stats(self) -> Stats: ...
-
-    @abc.abstractmethod
-    async def tokenize(self, text: str) -> list[int]: ...
-
-    @abc.abstractmethod
-    async def detokenize(self, token_ids: Sequence[int]) -> str: ...
-
-    @abc.abstractmethod
-    async def chat_tokens(
-        self,
-        messages: Messages,
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[int]: ...
-
-    @abc.abstractmethod
-    async def register_agent(
-        self, name: str, fixed_prompt: Context | Messages, *, prefill: bool = False
-    ) -> AgentInfo: ...
-
-    @abc.abstractmethod
-    async def hints(
-        self, steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
-    ) -> dict[str, float]: ...
+        self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
+    ) -> AsyncTokenStream:
+        return await self.ops.generate_stream(  # type: ignore[no-any-return]
+            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
+        )
 
     async def compose(
-        self,
-        prefix: Handle | Context | None = None,
-        segments: Sequence[Segment | Handle] = (),
-        suffix: Context | None = None,
-        *,
-        agent: str | None = None,
-        mode: str = "auto",
+        self, prefix: Handle | Context | None = None, segments: Sequence[Segment | Handle] = (),
+        suffix: Context | None = None, *, agent: str | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
         """:meth:`Client.compose`, awaited."""
-        raise InvalidRequest(f"{type(self).__name__} does not support compose")
+        return await self.ops.compose(  # type: ignore[no-any-return]
+            prefix, segments, suffix, agent=agent, mode=mode, correction=_mapping(correction)
+        )
 
     async def merge(
         self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
         """:meth:`Client.merge`, awaited."""
-        raise InvalidRequest(f"{type(self).__name__} does not support merge")
+        return await self.ops.merge(parts, agent=agent, mode=mode, correction=_mapping(correction))  # type: ignore[no-any-return]
 
     async def fidelity(
         self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None
     ) -> Fidelity:
         """:meth:`Client.fidelity`, awaited."""
-        raise InvalidRequest(f"{type(self).__name__} does not support fidelity")
+        return await self.ops.fidelity(handle, max_tokens, reference=reference)  # type: ignore[no-any-return]
 
     async def transfer(self, handle: HandleLike, device: int | str) -> Handle:
         """:meth:`Client.transfer`, awaited."""
-        raise InvalidRequest(f"{type(self).__name__} does not support transfer")
+        return await self.ops.transfer(handle, device)  # type: ignore[no-any-return]
+
+    async def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
+        await self.ops.release(handles)
+
+    async def stats(self) -> Stats:
+        return await self.ops.stats()  # type: ignore[no-any-return]
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self.ops.tokenize(text)  # type: ignore[no-any-return]
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await self.ops.detokenize(token_ids)  # type: ignore[no-any-return]
+
+    async def chat_tokens(
+        self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        return await self.ops.chat_tokens(  # type: ignore[no-any-return]
+            messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
+
+    async def register_agent(
+        self, name: str, fixed_prompt: Context | Messages, *, prefill: bool = False
+    ) -> AgentInfo:
+        return await self.ops.register_agent(name, fixed_prompt, prefill=prefill)  # type: ignore[no-any-return]
+
+    async def hints(
+        self, steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
+    ) -> dict[str, float]:
+        return await self.ops.hints(steps, running=running, finished=finished)  # type: ignore[no-any-return]
 
     async def capabilities(self) -> Capabilities:
         """:meth:`Client.capabilities`, awaited."""
-        return KVBATON
+        return await self.ops.capabilities()  # type: ignore[no-any-return]
 
     async def close(self) -> None:
         """Free the client's resources. The client is unusable afterwards."""
 
-    aclose = close
+    async def aclose(self) -> None:
+        await self.close()
 
     async def __aenter__(self) -> Self:
         return self

@@ -5,19 +5,27 @@
 types and exceptions are those of the embedded client: server error bodies map back to the same
 typed exceptions (``ERRORS_BY_CODE``), and a server that cannot be reached, or drops the connection
 mid-request, raises :class:`~kvbaton.errors.ServerUnavailable`.
+
+Every operator is one row of :data:`OPERATIONS` (HTTP method, path, a pure function building the
+JSON body from the operator's arguments, and one reading the answer). :class:`HttpOps` (httpx.Client)
+and :class:`AsyncHttpOps` (httpx.AsyncClient) implement :class:`~kvbaton.ops.KVOps` from that one
+table and differ only in their I/O, as httpx's own sync and async clients do.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
 import operator
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from .capabilities import Capabilities
-from .client import AsyncClient, Client, Context, HandleLike, Messages, sampling_params, steps_map
+from .client import AsyncClient, Client
 from .errors import (
     InvalidRequest,
     KvbatonError,
@@ -28,6 +36,7 @@ from .errors import (
     error_from_code,
 )
 from .handle import Handle, Segment
+from .ops import Context, HandleLike, Messages, ste_map
 from .stepgraph import StepGraph
 from .stream import AsyncTokenStream, TokenStream
 from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, SamplingParams, Stats, StreamChunk
@@ -35,58 +44,13 @@ from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, Sampli
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
 
-# -- request bodies ---------------------------------------------------------------------------
+# -- request bodies: one pure function per operator, with the operator's own signature ----------
 
 
 def _tagged(body: dict[str, Any], agent: str | None) -> dict[str, Any]:
     if agent is not None:
         body["agent"] = agent
     return body
-
-
-def _hints_body(steps: Any, running: Iterable[str], finished: Iterable[str]) -> dict[str, Any]:
-    # JSON has no infinity: an agent missing from the map counts as never running.
-    ste = steps_map(steps, running, finished)
-    return {"steps": {a: v for a, v in ste.items() if v != float("inf")}}
-
-
-def _agent_body(name: str, fixed_prompt: Any, prefill: bool) -> dict[str, Any]:
-    if isinstance(fixed_prompt, str):
-        prompt: Any = fixed_prompt
-    elif fixed_prompt and isinstance(fixed_prompt[0], ChatMessage | dict):
-        prompt = _messages(fixed_prompt)
-    else:
-        prompt = _context(fixed_prompt, "fixed_prompt")
-    return {"name": name, "fixed_prompt": prompt, "prefill": prefill}
-
-
-def _resume_body(
-    handle: HandleLike, suffix: Context, sampling: SamplingParams | None, options: dict[str, Any], agent: str | None
-) -> dict[str, Any]:
-    body = {"handle": _handle_ref(handle), "suffix": _context(suffix, "suffix"), **_sampling(sampling, options)}
-    return _tagged(body, agent)
-
-
-def _complete_body(
-    prompt: Context, sampling: SamplingParams | None, options: dict[str, Any], agent: str | None
-) -> dict[str, Any]:
-    return _tagged({"prompt": _context(prompt, "prompt"), **_sampling(sampling, options)}, agent)
-
-
-def _generate_body(
-    messages: Messages,
-    handle: HandleLike | None,
-    tools: list[dict[str, Any]] | None,
-    sampling: SamplingParams | None,
-    options: dict[str, Any],
-    agent: str | None,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {"messages": _messages(messages), **_sampling(sampling, options)}
-    if handle is not None:
-        body["handle"] = _handle_ref(handle)
-    if tools is not None:
-        body["tools"] = tools
-    return _tagged(body, agent)
 
 
 def _handle_ref(handle: HandleLike) -> Any:
@@ -96,6 +60,11 @@ def _handle_ref(handle: HandleLike) -> Any:
     if isinstance(handle, str):
         return handle
     raise InvalidRequest(f"expected a Handle or a handle id, got {type(handle).__name__}")
+
+
+def _handle_refs(handles: HandleLike | Iterable[HandleLike]) -> list[Any]:
+    items = [handles] if isinstance(handles, Handle | str) else list(handles)
+    return [_handle_ref(h) for h in items]
 
 
 def _segments(parts: Sequence[Segment | Handle]) -> list[dict[str, Any]]:
@@ -108,40 +77,6 @@ def _segments(parts: Sequence[Segment | Handle]) -> list[dict[str, Any]]:
         else:
             raise InvalidRequest(f"segments must be Segment or Handle objects, got {type(part).__name__}")
     return out
-
-
-def _opt_mapping(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    return None if value is None else dict(value)
-
-
-def _compose_body(
-    prefix: Handle | Context | None, segments: Sequence[Segment | Handle], suffix: Context | None,
-    agent: str | None, mode: str, correction: Mapping[str, Any] | None,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {"segments": _segments(segments), "mode": mode, "correction": _opt_mapping(correction)}
-    if isinstance(prefix, Handle):
-        body["prefix_handle"] = _handle_ref(prefix)
-    elif prefix is not None:
-        body["prefix"] = _context(prefix, "prefix")
-    if suffix is not None:
-        body["suffix"] = _context(suffix, "suffix")
-    return _tagged(body, agent)
-
-
-def _merge_body(
-    parts: Sequence[Segment | Handle], agent: str | None, mode: str, correction: Mapping[str, Any] | None
-) -> dict[str, Any]:
-    return _tagged({"parts": _segments(parts), "mode": mode, "correction": _opt_mapping(correction)}, agent)
-
-
-def _fidelity_body(handle: HandleLike, max_tokens: int, reference: HandleLike | None) -> dict[str, Any]:
-    return {"handle": _handle_ref(handle), "max_tokens": max_tokens,
-            "reference": None if reference is None else _handle_ref(reference)}
-
-
-def _handle_refs(handles: HandleLike | Iterable[HandleLike]) -> list[Any]:
-    items = [handles] if isinstance(handles, Handle | str) else list(handles)
-    return [_handle_ref(h) for h in items]
 
 
 def _context(value: Context, what: str) -> str | list[int]:
@@ -161,8 +96,168 @@ def _messages(messages: Messages) -> list[dict[str, Any]]:
     return [m.model_dump(exclude_none=True) if isinstance(m, ChatMessage) else m for m in messages]
 
 
-def _sampling(sampling: SamplingParams | None, options: dict[str, Any]) -> dict[str, Any]:
-    return sampling_params(sampling, options).model_dump(mode="json")
+def _sampling(sampling: SamplingParams | None) -> dict[str, Any]:
+    return (sampling if sampling is not None else SamplingParams()).model_dump(mode="json")
+
+
+def _opt_mapping(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if value is None else dict(value)
+
+
+def materialize_body(context: Context, *, agent: str | None = None) -> dict[str, Any]:
+    return _tagged({"context": _context(context, "context")}, agent)
+
+
+def fork_body(handle: HandleLike, k: int = 2) -> dict[str, Any]:
+    return {"handle": _handle_ref(handle), "k": k}
+
+
+def extend_body(handle: HandleLike, context: Context, *, agent: str | None = None) -> dict[str, Any]:
+    return _tagged({"handle": _handle_ref(handle), "context": _context(context, "context")}, agent)
+
+
+def resume_body(
+    handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *, agent: str | None = None
+) -> dict[str, Any]:
+    return _tagged({"handle": _handle_ref(handle), "suffix": _context(suffix, "suffix"), **_sampling(sampling)}, agent)
+
+
+def complete_body(prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None) -> dict[str, Any]:
+    return _tagged({"prompt": _context(prompt, "prompt"), **_sampling(sampling)}, agent)
+
+
+def generate_body(
+    messages: Messages, *, handle: HandleLike | None = None, sampling: SamplingParams | None = None,
+    tools: list[dict[str, Any]] | None = None, agent: str | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": _messages(messages), **_sampling(sampling)}
+    if handle is not None:
+        body["handle"] = _handle_ref(handle)
+    if tools is not None:
+        body["tools"] = tools
+    return _tagged(body, agent)
+
+
+def compose_body(
+    prefix: Handle | Context | None = None, segments: Sequence[Segment | Handle] = (), suffix: Context | None = None,
+    *, agent: str | None = None, mode: str = "auto", correction: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"segments": _segments(segments), "mode": mode, "correction": _opt_mapping(correction)}
+    if isinstance(prefix, Handle):
+        body["prefix_handle"] = _handle_ref(prefix)
+    elif prefix is not None:
+        body["prefix"] = _context(prefix, "prefix")
+    if suffix is not None:
+        body["suffix"] = _context(suffix, "suffix")
+    return _tagged(body, agent)
+
+
+def merge_body(
+    parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+    correction: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    return _tagged({"parts": _segments(parts), "mode": mode, "correction": _opt_mapping(correction)}, agent)
+
+
+def fidelity_body(handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> dict[str, Any]:
+    return {"handle": _handle_ref(handle), "max_tokens": max_tokens,
+            "reference": None if reference is None else _handle_ref(reference)}
+
+
+def transfer_body(handle: HandleLike, device: int | str) -> dict[str, Any]:
+    return {"handle": _handle_ref(handle), "device": device}
+
+
+def release_body(handles: HandleLike | Iterable[HandleLike]) -> dict[str, Any]:
+    return {"handles": _handle_refs(handles)}
+
+
+def tokenize_body(text: str) -> dict[str, Any]:
+    if not isinstance(text, str):
+        raise InvalidRequest(f"text must be a string, got {type(text).__name__}")
+    return {"text": text}
+
+
+def detokenize_body(token_ids: Sequence[int]) -> dict[str, Any]:
+    return {"token_ids": _context(token_ids, "token_ids")}
+
+
+def chat_tokens_body(
+    messages: Messages, *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": _messages(messages), "add_generation_prompt": add_generation_prompt}
+    if tools is not None:
+        body["tools"] = tools
+    return body
+
+
+def register_agent_body(name: str, fixed_prompt: Context | Messages, *, prefill: bool = False) -> dict[str, Any]:
+    if isinstance(fixed_prompt, str):
+        prompt: Any = fixed_prompt
+    elif fixed_prompt and isinstance(fixed_prompt[0], ChatMessage | dict):
+        prompt = _messages(fixed_prompt)  # type: ignore[arg-type]
+    else:
+        prompt = _context(fixed_prompt, "fixed_prompt")  # type: ignore[arg-type]
+    return {"name": name, "fixed_prompt": prompt, "prefill": prefill}
+
+
+def hints_body(
+    steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
+) -> dict[str, Any]:
+    # JSON has no infinity: an agent missing from the map counts as never running.
+    return {"steps": {a: v for a, v in ste_map(steps, running, finished).items() if v != math.inf}}
+
+
+def stats_body() -> None:
+    return None
+
+
+def capabilities_body() -> None:
+    return None
+
+
+# -- the operation table --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One operator over HTTP: ``body(*args)`` is the JSON sent (None for a GET), ``read(json)``
+    the value returned; a streaming operation answers with server-sent events instead."""
+
+    method: str
+    path: str
+    body: Callable[..., Any]
+    read: Callable[[Any], Any] | None = None
+    stream: bool = False
+
+
+def _handles(out: Any) -> list[Handle]:
+    return [Handle.model_validate(h) for h in out["handles"]]
+
+
+OPERATIONS: dict[str, Operation] = {
+    "materialize": Operation("POST", "/v1/kv/materialize", materialize_body, Handle.model_validate),
+    "fork": Operation("POST", "/v1/kv/fork", fork_body, _handles),
+    "extend": Operation("POST", "/v1/kv/extend", extend_body, Handle.model_validate),
+    "resume": Operation("POST", "/v1/kv/resume", resume_body, Result.model_validate),
+    "resume_stream": Operation("POST", "/v1/kv/resume", resume_body, stream=True),
+    "complete": Operation("POST", "/v1/kv/complete", complete_body, Result.model_validate),
+    "complete_stream": Operation("POST", "/v1/kv/complete", complete_body, stream=True),
+    "generate": Operation("POST", "/v1/kv/generate", generate_body, Result.model_validate),
+    "generate_stream": Operation("POST", "/v1/kv/generate", generate_body, stream=True),
+    "compose": Operation("POST", "/v1/kv/compose", compose_body, Composition.model_validate),
+    "merge": Operation("POST", "/v1/kv/merge", merge_body, Composition.model_validate),
+    "fidelity": Operation("POST", "/v1/kv/fidelity", fidelity_body, Fidelity.model_validate),
+    "transfer": Operation("POST", "/v1/kv/transfer", transfer_body, Handle.model_validate),
+    "release": Operation("POST", "/v1/kv/release", release_body, lambda out: None),
+    "stats": Operation("GET", "/v1/kv/stats", stats_body, Stats.model_validate),
+    "capabilities": Operation("GET", "/v1/capabilities", capabilities_body, Capabilities.model_validate),
+    "tokenize": Operation("POST", "/v1/kv/tokenize", tokenize_body, lambda out: list(out["token_ids"])),
+    "detokenize": Operation("POST", "/v1/kv/detokenize", detokenize_body, lambda out: str(out["text"])),
+    "chat_tokens": Operation("POST", "/v1/kv/chat_tokens", chat_tokens_body, lambda out: list(out["token_ids"])),
+    "register_agent": Operation("POST", "/v1/kv/agents", register_agent_body, AgentInfo.model_validate),
+    "hints": Operation("POST", "/v1/kv/hints", hints_body, lambda out: dict(out["steps"])),
+}
 
 
 # -- responses and errors -----------------------------------------------------------------------
@@ -239,37 +334,55 @@ def _timeout(timeout: float | None, connect_timeout: float | None) -> httpx.Time
     return httpx.Timeout(timeout, connect=connect_timeout if connect_timeout is not None else timeout)
 
 
-# -- the synchronous client -------------------------------------------------------------------
+# -- the operations over httpx: sync and async differ only in their I/O ----------------------------
 
 
-class HttpClient(Client):
-    """:class:`~kvbaton.Client` over HTTP. Thread-safe: one client may serve many threads.
+def _method(name: str, operation: Operation, run: Callable[..., Any]) -> Callable[..., Any]:
+    """The ops method ``name``: builds the body with the operator's own signature, then ``run``s it."""
 
-    ``timeout`` bounds each read (for streams: the gap between two chunks), ``connect_timeout`` the
-    connection; both raise :class:`~kvbaton.errors.ServerUnavailable` when exceeded.
-    """
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return run(self, operation, operation.body(*args, **kwargs))
+
+    method.__name__ = method.__qualname__ = name
+    params = list(inspect.signature(operation.body).parameters.values())
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    method.__signature__ = inspect.Signature([self_param, *params])  # type: ignore[attr-defined]
+    return method
+
+
+def _client_options(
+    base_url: str, token: str | None, headers: dict[str, str] | None, timeout: float | None,
+    connect_timeout: float | None, transport: Any,
+) -> dict[str, Any]:
+    return {
+        "base_url": base_url.rstrip("/"),
+        "headers": _headers(token, headers),
+        "timeout": _timeout(timeout, connect_timeout),
+        "limits": httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        "transport": transport,
+    }
+
+
+class HttpOps:
+    """:class:`~kvbaton.ops.KVOps` over HTTP (httpx.Client), generated from :data:`OPERATIONS`.
+    Thread-safe: one instance may serve many threads."""
 
     def __init__(
-        self,
-        base_url: str,
-        token: str | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        *,
-        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
-        headers: dict[str, str] | None = None,
+        self, base_url: str, token: str | None = None, timeout: float | None = DEFAULT_TIMEOUT, *,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT, headers: dict[str, str] | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers=_headers(token, headers),
-            timeout=_timeout(timeout, connect_timeout),
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-            transport=transport,
-        )
+        self._http = httpx.Client(**_client_options(base_url, token, headers, timeout, connect_timeout, transport))
 
-    # -- transport ----------------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: Any = None) -> Any:
+    def _run(self, operation: Operation, body: Any) -> Any:
+        if operation.stream:
+            return self._stream(operation.path, body)
+        assert operation.read is not None
+        return operation.read(self.request(operation.method, operation.path, body))
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        """One JSON request; error answers raise the SDK's typed exceptions."""
         try:
             response = self._http.request(method, path, json=body)
         except httpx.TransportError as exc:
@@ -312,181 +425,29 @@ class HttpClient(Client):
             response.close()
         raise ServerUnavailable(f"kvbaton server at {self.base_url} ended the stream before its result")
 
-    # -- operators ----------------------------------------------------------------------------
-    def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
-        body = _tagged({"context": _context(context, "context")}, agent)
-        return Handle.model_validate(self._request("POST", "/v1/kv/materialize", body))
-
-    def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
-        out = self._request("POST", "/v1/kv/fork", {"handle": _handle_ref(handle), "k": k})
-        return [Handle.model_validate(h) for h in out["handles"]]
-
-    def transfer(self, handle: HandleLike, device: int | str) -> Handle:
-        return Handle.model_validate(
-            self._request("POST", "/v1/kv/transfer", {"handle": _handle_ref(handle), "device": device})
-        )
-
-    def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
-        body = _tagged({"handle": _handle_ref(handle), "context": _context(context, "context")}, agent)
-        return Handle.model_validate(self._request("POST", "/v1/kv/extend", body))
-
-    def compose(
-        self,
-        prefix: Handle | Context | None = None,
-        segments: Sequence[Segment | Handle] = (),
-        suffix: Context | None = None,
-        *,
-        agent: str | None = None,
-        mode: str = "auto",
-        correction: Mapping[str, Any] | None = None,
-    ) -> Composition:
-        body = _compose_body(prefix, segments, suffix, agent, mode, correction)
-        return Composition.model_validate(self._request("POST", "/v1/kv/compose", body))
-
-    def merge(
-        self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
-        correction: Mapping[str, Any] | None = None,
-    ) -> Composition:
-        body = _merge_body(parts, agent, mode, correction)
-        return Composition.model_validate(self._request("POST", "/v1/kv/merge", body))
-
-    def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
-        body = _fidelity_body(handle, max_tokens, reference)
-        return Fidelity.model_validate(self._request("POST", "/v1/kv/fidelity", body))
-
-    def resume(
-        self,
-        handle: HandleLike,
-        suffix: Context = "",
-        *,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> Result:
-        body = _resume_body(handle, suffix, sampling, options, agent)
-        return Result.model_validate(self._request("POST", "/v1/kv/resume", body))
-
-    def resume_stream(
-        self,
-        handle: HandleLike,
-        suffix: Context = "",
-        *,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> TokenStream:
-        return self._stream("/v1/kv/resume", _resume_body(handle, suffix, sampling, options, agent))
-
-    def complete(
-        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
-    ) -> Result:
-        body = _complete_body(prompt, sampling, options, agent)
-        return Result.model_validate(self._request("POST", "/v1/kv/complete", body))
-
-    def complete_stream(
-        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
-    ) -> TokenStream:
-        return self._stream("/v1/kv/complete", _complete_body(prompt, sampling, options, agent))
-
-    def generate(
-        self,
-        messages: Messages,
-        *,
-        handle: HandleLike | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> Result:
-        body = _generate_body(messages, handle, tools, sampling, options, agent)
-        return Result.model_validate(self._request("POST", "/v1/kv/generate", body))
-
-    def generate_stream(
-        self,
-        messages: Messages,
-        *,
-        handle: HandleLike | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> TokenStream:
-        return self._stream("/v1/kv/generate", _generate_body(messages, handle, tools, sampling, options, agent))
-
-    def register_agent(self, name: str, fixed_prompt: Context | Messages, *, prefill: bool = False) -> AgentInfo:
-        out = self._request("POST", "/v1/kv/agents", _agent_body(name, fixed_prompt, prefill))
-        return AgentInfo.model_validate(out)
-
-    def hints(
-        self, steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
-    ) -> dict[str, float]:
-        out = self._request("POST", "/v1/kv/hints", _hints_body(steps, running, finished))
-        return dict(out["steps"])
-
-    def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
-        self._request("POST", "/v1/kv/release", {"handles": _handle_refs(handles)})
-
-    def stats(self) -> Stats:
-        return Stats.model_validate(self._request("GET", "/v1/kv/stats"))
-
-    def capabilities(self) -> Capabilities:
-        return Capabilities.model_validate(self._request("GET", "/v1/capabilities"))
-
-    def tokenize(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise InvalidRequest(f"text must be a string, got {type(text).__name__}")
-        return list(self._request("POST", "/v1/kv/tokenize", {"text": text})["token_ids"])
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        body = {"token_ids": _context(token_ids, "token_ids")}
-        return str(self._request("POST", "/v1/kv/detokenize", body)["text"])
-
-    def chat_tokens(
-        self,
-        messages: Messages,
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[int]:
-        body: dict[str, Any] = {"messages": _messages(messages), "add_generation_prompt": add_generation_prompt}
-        if tools is not None:
-            body["tools"] = tools
-        return list(self._request("POST", "/v1/kv/chat_tokens", body)["token_ids"])
-
-    def health(self) -> dict[str, Any]:
-        """The server's ``/health`` answer (model, status)."""
-        return dict(self._request("GET", "/health"))
-
     def close(self) -> None:
         self._http.close()
 
 
-# -- the asynchronous client ------------------------------------------------------------------
-
-
-class AsyncHttpClient(AsyncClient):
-    """:class:`~kvbaton.client.AsyncClient` over HTTP (httpx.AsyncClient); see :class:`HttpClient`."""
+class AsyncHttpOps:
+    """:class:`HttpOps` with coroutines (httpx.AsyncClient), generated from the same table."""
 
     def __init__(
-        self,
-        base_url: str,
-        token: str | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        *,
-        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
-        headers: dict[str, str] | None = None,
+        self, base_url: str, token: str | None = None, timeout: float | None = DEFAULT_TIMEOUT, *,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT, headers: dict[str, str] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=_headers(token, headers),
-            timeout=_timeout(timeout, connect_timeout),
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-            transport=transport,
-        )
+        self._http = httpx.AsyncClient(**_client_options(base_url, token, headers, timeout, connect_timeout, transport))
 
-    async def _request(self, method: str, path: str, body: Any = None) -> Any:
+    async def _run(self, operation: Operation, body: Any) -> Any:
+        if operation.stream:
+            return await self._stream(operation.path, body)
+        assert operation.read is not None
+        return operation.read(await self.request(operation.method, operation.path, body))
+
+    async def request(self, method: str, path: str, body: Any = None) -> Any:
+        """One JSON request; error answers raise the SDK's typed exceptions."""
         try:
             response = await self._http.request(method, path, json=body)
         except httpx.TransportError as exc:
@@ -529,152 +490,63 @@ class AsyncHttpClient(AsyncClient):
             await response.aclose()
         raise ServerUnavailable(f"kvbaton server at {self.base_url} ended the stream before its result")
 
-    async def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
-        body = _tagged({"context": _context(context, "context")}, agent)
-        return Handle.model_validate(await self._request("POST", "/v1/kv/materialize", body))
-
-    async def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
-        out = await self._request("POST", "/v1/kv/fork", {"handle": _handle_ref(handle), "k": k})
-        return [Handle.model_validate(h) for h in out["handles"]]
-
-    async def transfer(self, handle: HandleLike, device: int | str) -> Handle:
-        return Handle.model_validate(
-            await self._request("POST", "/v1/kv/transfer", {"handle": _handle_ref(handle), "device": device})
-        )
-
-    async def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
-        body = _tagged({"handle": _handle_ref(handle), "context": _context(context, "context")}, agent)
-        return Handle.model_validate(await self._request("POST", "/v1/kv/extend", body))
-
-    async def compose(
-        self,
-        prefix: Handle | Context | None = None,
-        segments: Sequence[Segment | Handle] = (),
-        suffix: Context | None = None,
-        *,
-        agent: str | None = None,
-        mode: str = "auto",
-        correction: Mapping[str, Any] | None = None,
-    ) -> Composition:
-        body = _compose_body(prefix, segments, suffix, agent, mode, correction)
-        return Composition.model_validate(await self._request("POST", "/v1/kv/compose", body))
-
-    async def merge(
-        self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
-        correction: Mapping[str, Any] | None = None,
-    ) -> Composition:
-        body = _merge_body(parts, agent, mode, correction)
-        return Composition.model_validate(await self._request("POST", "/v1/kv/merge", body))
-
-    async def fidelity(
-        self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None
-    ) -> Fidelity:
-        body = _fidelity_body(handle, max_tokens, reference)
-        return Fidelity.model_validate(await self._request("POST", "/v1/kv/fidelity", body))
-
-    async def resume(
-        self,
-        handle: HandleLike,
-        suffix: Context = "",
-        *,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> Result:
-        body = _resume_body(handle, suffix, sampling, options, agent)
-        return Result.model_validate(await self._request("POST", "/v1/kv/resume", body))
-
-    async def resume_stream(
-        self,
-        handle: HandleLike,
-        suffix: Context = "",
-        *,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> AsyncTokenStream:
-        return await self._stream("/v1/kv/resume", _resume_body(handle, suffix, sampling, options, agent))
-
-    async def complete(
-        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
-    ) -> Result:
-        body = _complete_body(prompt, sampling, options, agent)
-        return Result.model_validate(await self._request("POST", "/v1/kv/complete", body))
-
-    async def complete_stream(
-        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
-    ) -> AsyncTokenStream:
-        return await self._stream("/v1/kv/complete", _complete_body(prompt, sampling, options, agent))
-
-    async def generate(
-        self,
-        messages: Messages,
-        *,
-        handle: HandleLike | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> Result:
-        body = _generate_body(messages, handle, tools, sampling, options, agent)
-        return Result.model_validate(await self._request("POST", "/v1/kv/generate", body))
-
-    async def generate_stream(
-        self,
-        messages: Messages,
-        *,
-        handle: HandleLike | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        agent: str | None = None,
-        **options: Any,
-    ) -> AsyncTokenStream:
-        return await self._stream("/v1/kv/generate", _generate_body(messages, handle, tools, sampling, options, agent))
-
-    async def register_agent(self, name: str, fixed_prompt: Context | Messages, *, prefill: bool = False) -> AgentInfo:
-        out = await self._request("POST", "/v1/kv/agents", _agent_body(name, fixed_prompt, prefill))
-        return AgentInfo.model_validate(out)
-
-    async def hints(
-        self, steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
-    ) -> dict[str, float]:
-        out = await self._request("POST", "/v1/kv/hints", _hints_body(steps, running, finished))
-        return dict(out["steps"])
-
-    async def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
-        await self._request("POST", "/v1/kv/release", {"handles": _handle_refs(handles)})
-
-    async def stats(self) -> Stats:
-        return Stats.model_validate(await self._request("GET", "/v1/kv/stats"))
-
-    async def capabilities(self) -> Capabilities:
-        return Capabilities.model_validate(await self._request("GET", "/v1/capabilities"))
-
-    async def tokenize(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise InvalidRequest(f"text must be a string, got {type(text).__name__}")
-        return list((await self._request("POST", "/v1/kv/tokenize", {"text": text}))["token_ids"])
-
-    async def detokenize(self, token_ids: Sequence[int]) -> str:
-        body = {"token_ids": _context(token_ids, "token_ids")}
-        return str((await self._request("POST", "/v1/kv/detokenize", body))["text"])
-
-    async def chat_tokens(
-        self,
-        messages: Messages,
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[int]:
-        body: dict[str, Any] = {"messages": _messages(messages), "add_generation_prompt": add_generation_prompt}
-        if tools is not None:
-            body["tools"] = tools
-        return list((await self._request("POST", "/v1/kv/chat_tokens", body))["token_ids"])
-
-    async def health(self) -> dict[str, Any]:
-        return dict(await self._request("GET", "/health"))
-
     async def close(self) -> None:
         await self._http.aclose()
 
-    aclose = close
+
+for _name, _operation in OPERATIONS.items():
+    setattr(HttpOps, _name, _method(_name, _operation, HttpOps._run))
+    setattr(AsyncHttpOps, _name, _method(_name, _operation, AsyncHttpOps._run))
+
+
+# -- the clients ----------------------------------------------------------------------------------
+
+
+class HttpClient(Client):
+    """:class:`~kvbaton.Client` over HTTP. Thread-safe: one client may serve many threads.
+
+    ``timeout`` bounds each read (for streams: the gap between two chunks), ``connect_timeout`` the
+    connection; both raise :class:`~kvbaton.errors.ServerUnavailable` when exceeded.
+    """
+
+    ops: HttpOps
+
+    def __init__(
+        self, base_url: str, token: str | None = None, timeout: float | None = DEFAULT_TIMEOUT, *,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT, headers: dict[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(HttpOps(  # type: ignore[arg-type]
+            base_url, token, timeout, connect_timeout=connect_timeout, headers=headers, transport=transport
+        ))
+        self.base_url = self.ops.base_url
+
+    def health(self) -> dict[str, Any]:
+        """The server's ``/health`` answer (model, status)."""
+        return dict(self.ops.request("GET", "/health"))
+
+    def close(self) -> None:
+        self.ops.close()
+
+
+class AsyncHttpClient(AsyncClient):
+    """:class:`~kvbaton.client.AsyncClient` over HTTP (httpx.AsyncClient); see :class:`HttpClient`."""
+
+    ops: AsyncHttpOps
+
+    def __init__(
+        self, base_url: str, token: str | None = None, timeout: float | None = DEFAULT_TIMEOUT, *,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT, headers: dict[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(AsyncHttpOps(
+            base_url, token, timeout, connect_timeout=connect_timeout, headers=headers, transport=transport
+        ))
+        self.base_url = self.ops.base_url
+
+    async def health(self) -> dict[str, Any]:
+        """The server's ``/health`` answer (model, status)."""
+        return dict(await self.ops.request("GET", "/health"))
+
+    async def close(self) -> None:
+        await self.ops.close()

@@ -10,8 +10,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .capabilities import SGLANG, Capabilities
 from .embedded import AsyncEmbeddedClient, EmbeddedClient
+
+
+def _sglang_engine(model: str | None, options: dict[str, Any]) -> Any:
+    from kvbaton.backend.sglang_plugin.engine import SglangEngine
+
+    return SglangEngine(model, **options)
 
 
 class SglangClient(EmbeddedClient):
@@ -22,17 +27,8 @@ class SglangClient(EmbeddedClient):
     ``dtype``, and any ``sglang.Engine`` keyword."""
 
     def __init__(self, model: str | None = None, *, engine: Any = None, **options: Any) -> None:
-        if engine is None:
-            from kvbaton.backend.sglang_plugin.engine import SglangEngine
-
-            engine = SglangEngine(model, **options)
-        super().__init__(engine=engine)
-
-    def capabilities(self) -> Capabilities:
-        return SGLANG
-
-    def close(self) -> None:
-        self.engine.close()
+        super().__init__(engine=engine if engine is not None else _sglang_engine(model, options))
+        self._owns_engine = True  # SGLang holds a GPU and its scheduler processes: always ours to end
 
 
 class AsyncSglangClient(AsyncEmbeddedClient):
