@@ -17,6 +17,7 @@ from .errors import (
     UnsupportedPositions,
 )
 from .handle import Handle, LineageStep, Op, Placement, Positions, Segment
+from .ops import KVOps
 from .stepgraph import StepGraph, StepGraphSpec
 from .stream import AsyncTokenStream, TokenStream
 from .types import (
@@ -53,6 +54,7 @@ __all__ = [
     "HandleReleased",
     "IncompatibleHandle",
     "InvalidRequest",
+    "KVOps",
     "KvbatonError",
     "LineageStep",
     "MergeConflict",

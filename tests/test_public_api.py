@@ -1,0 +1,53 @@
+"""The public API of ``import kvbaton`` is pinned: a name appears or disappears only on purpose."""
+
+from __future__ import annotations
+
+import importlib.resources
+import inspect
+
+import kvbaton
+import pytest
+from kvbaton.ops import KVOps
+
+pytestmark = pytest.mark.unit
+
+PUBLIC = [
+    "AgentInfo", "AgentStats", "AsyncClient", "AsyncTokenStream", "CacheStats", "Capabilities", "ChatMessage",
+    "Client", "Composition", "ContextTooLong", "Fidelity", "Handle", "HandleNotFound", "HandleReleased",
+    "IncompatibleHandle", "InvalidRequest", "KVOps", "KvbatonError", "LineageStep", "MergeConflict",
+    "ModelNotFound", "Op", "Placement", "PoolExhausted", "Positions", "Result", "SamplingParams", "Segment",
+    "SegmentReport", "ServerUnavailable", "Stats", "StepGraph", "StepGraphSpec", "StreamChunk", "Timings",
+    "TokenStream", "Unauthorized", "UnsupportedPositions", "aconnect", "connect",
+]
+
+
+def test_all_is_pinned_and_every_name_resolves() -> None:
+    assert sorted(kvbaton.__all__) == sorted(PUBLIC)
+    for name in kvbaton.__all__:
+        assert getattr(kvbaton, name) is not None
+
+
+def test_the_package_is_typed() -> None:
+    assert importlib.resources.files("kvbaton").joinpath("py.typed").is_file()
+
+
+@pytest.mark.parametrize("client", [kvbaton.Client, kvbaton.AsyncClient])
+def test_both_clients_offer_every_operator_with_the_contracts_parameters(client: type) -> None:
+    """Client and AsyncClient add keyword sampling options (``**options``) and nothing else."""
+    for name in kvbaton.ops.OPERATORS:
+        ours = inspect.signature(getattr(client, name)).parameters
+        theirs = inspect.signature(getattr(KVOps, name)).parameters
+        assert set(theirs) <= set(ours), f"{client.__name__}.{name} lacks {set(theirs) - set(ours)}"
+        assert set(ours) - set(theirs) <= {"options"}, f"{client.__name__}.{name} adds {set(ours) - set(theirs)}"
+        assert inspect.iscoroutinefunction(getattr(client, name)) == (client is kvbaton.AsyncClient)
+
+
+def test_the_http_operations_take_the_contracts_signatures() -> None:
+    from kvbaton.http import OPERATIONS, AsyncHttpOps, HttpOps
+
+    assert set(OPERATIONS) == set(kvbaton.ops.OPERATORS)
+    for ops in (HttpOps, AsyncHttpOps):
+        for name in OPERATIONS:
+            assert list(inspect.signature(getattr(ops, name)).parameters) == list(
+                inspect.signature(getattr(KVOps, name)).parameters
+            ), f"{ops.__name__}.{name}"
