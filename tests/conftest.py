@@ -1,4 +1,13 @@
-"""Shared fixtures: one real SmolLM2 per test session, fresh engines (cheap) per test."""
+"""Shared fixtures: one real SmolLM2 per test session, fresh engines (cheap) per test; the test tiers.
+
+Tiers (``make test-unit``, ``test-model``, ``test-server``; ``make test`` runs all three):
+
+- ``unit``: model-free, marked explicitly (``pytestmark = pytest.mark.unit`` or per test); the
+  whole tier runs in seconds. A unit test that asks for a model or server fixture is an error.
+- ``server``: starts ``kvbaton serve`` or worker processes (the server fixtures, a cluster, the
+  ``test_server_*`` and ``test_multidevice`` modules, the contract suite's HTTP and cluster cases).
+- ``model``: everything else: runs the real model in the test process.
+"""
 
 from __future__ import annotations
 
@@ -42,6 +51,33 @@ def dense_greedy(model, tokens: list[int], n: int) -> tuple[list[int], torch.Ten
             out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
             cache, logits = out.cache, out.logits[0, -1].float()
     return generated, first_logits
+
+
+# -- tiers ----------------------------------------------------------------------------------------
+
+MODEL_FIXTURES = {"engine", "reference", "corpus_tokens"}
+SERVER_FIXTURES = {"server", "secure_server", "server_processes", "cluster"}
+SERVER_MODULES = ("test_server_", "test_multidevice")
+SERVER_PARAMS = {"http", "async-http", "cluster"}
+
+
+def _tier(item: pytest.Item) -> str:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    params = set(map(str, getattr(getattr(item, "callspec", None), "params", {}).values()))
+    if item.get_closest_marker("unit") is not None:
+        if fixtures & (MODEL_FIXTURES | SERVER_FIXTURES):
+            raise pytest.UsageError(f"{item.nodeid} is marked unit but uses {sorted(fixtures & (MODEL_FIXTURES | SERVER_FIXTURES))}")
+        return "unit"
+    if fixtures & SERVER_FIXTURES or params & SERVER_PARAMS or item.module.__name__.startswith(SERVER_MODULES):
+        return "server"
+    return "model"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = _tier(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(tier)
 
 
 # -- kvbaton serve subprocesses for the server tests (tests/server_fixtures.py) ---------------------

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from kvbaton.bench.workflow import EXECUTORS, main, p90, ratios, schedule, summarize
 
+pytestmark = pytest.mark.unit
+
 
 def call(agent: str, ttft: float, prefilled: int, round_: int = 1) -> dict:
     return {"round": round_, "agent": agent, "seconds": ttft, "ttft_s": ttft, "tokens_prefilled": prefilled,

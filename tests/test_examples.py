@@ -27,6 +27,7 @@ AGENTS = {
 }
 
 
+@pytest.mark.unit
 def test_every_example_is_tested():
     assert set(ARGS) == set(EXAMPLES) == set(AGENTS)
 
@@ -63,6 +64,7 @@ def test_example_single_mode():
     assert list(out["modes"]) == ["text"] and "ratios" not in out
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv", [
     [], ["serve"], ["info"], ["run"], ["bench"], ["bench", "all"], ["bench", "scaling"], ["bench", "branching"],
     *(["run", name] for name in sorted(EXAMPLES)),
@@ -76,6 +78,7 @@ def test_cli_help(argv, capsys):
     assert "usage:" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 def test_cli_rejects_unknown_example_and_benchmark(capsys):
     for argv in (["run", "nope"], ["bench", "nope"]):
         with pytest.raises(SystemExit) as exc:
@@ -108,6 +111,7 @@ def test_bench_all_quick_writes_json_png_and_summary(tmp_path, monkeypatch, caps
     assert "=== experiments" in printed and "peak KV vs branch factor" in printed
 
 
+@pytest.mark.unit
 def test_plots_draw_unknown_benchmarks_generically(tmp_path):
     from kvbaton.bench.plots import plot
 
@@ -116,6 +120,7 @@ def test_plots_draw_unknown_benchmarks_generically(tmp_path):
     assert plot({"benchmark": "empty"}, tmp_path / "empty.png").stat().st_size > 0
 
 
+@pytest.mark.unit
 def test_correction_bench_simulates_confidence_gate_thresholds():
     from kvbaton.bench.correction import margin_analysis
 

@@ -156,6 +156,7 @@ def test_out_of_range_blocks_and_slots_are_refused_not_read(lib):
         lib.attention(q, k_pool, short_v, 0, tables, torch.tensor([20]), BLOCK, 0.125)
 
 
+@pytest.mark.unit
 def test_disabled_kernels_report_why_and_log_once(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_STATE", {})
     monkeypatch.setenv("KVBATON_KERNELS", "0")
@@ -165,6 +166,7 @@ def test_disabled_kernels_report_why_and_log_once(monkeypatch, caplog):
     assert sum("disabled by KVBATON_KERNELS" in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.unit
 def test_a_failed_build_is_reported_not_raised(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_STATE", {})
     monkeypatch.delenv("KVBATON_KERNELS", raising=False)
@@ -179,6 +181,7 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, caplog):
     assert any("fused decode uses oneDNN" in r.message for r in caplog.records)
 
 
+@pytest.mark.unit
 def test_the_build_is_keyed_by_source_torch_and_cpu(monkeypatch):
     key = kernels.build_key()
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: "another instruction set")

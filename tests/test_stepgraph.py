@@ -15,6 +15,8 @@ from kvbaton.errors import InvalidRequest
 from kvbaton.stepgraph import StepGraph, StepGraphSpec
 from pydantic import ValidationError
 
+pytestmark = pytest.mark.unit
+
 inf = math.inf
 
 
