@@ -3,7 +3,9 @@
 It is the LLM half of the LangGraph adapter (:mod:`kvbaton.adapters.langgraph`) and also works on
 its own. Every AIMessage it produces carries its KV handle in ``additional_kwargs["kvbaton"]``; a
 later call whose prompt contains such messages passes one of their handles, so the engine reuses
-that KV for the longest common token prefix instead of prefilling the text again. See
+that KV for the longest common token prefix instead of prefilling the text again. This module is
+the LangChain glue (messages, callbacks, chunks); the choice of that handle, the tool-call
+convention, agent registration and sync/async dispatch are :mod:`kvbaton.adapters.core`'s. See
 docs/langgraph.md.
 """
 
@@ -175,8 +177,9 @@ class KvbatonChatModel(BaseChatModel):
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | dict[str, Any] | bool | None = None,
                    **kwargs: Any) -> Any:
         """Bind tools (anything ``convert_to_openai_tool`` accepts). They are described in the system
-        prompt and calls are parsed from the output (the convention of :mod:`kvbaton.adapters.core`). ``tool_choice`` may
-        be a tool name, ``"any"``/``"required"``/``True`` (with one tool: forced) or ``"auto"``."""
+        prompt and calls are parsed from the output (the convention of :mod:`kvbaton.adapters.core`).
+        ``tool_choice`` may be a tool name, ``"any"``/``"required"``/``True`` (with one tool: forced)
+        or ``"auto"``."""
         formatted = [convert_to_openai_tool(t) for t in tools]
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
@@ -207,8 +210,9 @@ class KvbatonChatModel(BaseChatModel):
             forced = names[0]
         metadata = getattr(run_manager, "metadata", None) if run_manager is not None else None
         candidates = [h for m in messages if (h := _handle_data(m)) is not None] if self.pass_handles else []
-        return {"chat": with_tool_prompt(to_chat(messages), tools), "agent": self.agent or agent_from_metadata(metadata),
-                "candidates": candidates, "tool_names": names, "forced": forced, "sampling": self._sampling(stop, kwargs)}
+        return {"chat": with_tool_prompt(to_chat(messages), tools), "candidates": candidates,
+                "agent": self.agent or agent_from_metadata(metadata), "tool_names": names, "forced": forced,
+                "sampling": self._sampling(stop, kwargs)}
 
     def _message(self, req: dict[str, Any], result: Any, chunk: bool = False) -> AIMessage:
         text = result.text
@@ -310,8 +314,10 @@ class KvbatonChatModel(BaseChatModel):
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         if not isinstance(self.client, AsyncClient):
             # a sync client: its stream runs in worker threads, one chunk per await
-            shim = SimpleNamespace(metadata=getattr(run_manager, "metadata", None), on_llm_new_token=lambda *a, **k: None)
-            async for chunk in iterate_in_thread(self._stream(messages, stop, shim, **kwargs)):  # type: ignore[arg-type]
+            shim = SimpleNamespace(metadata=getattr(run_manager, "metadata", None),
+                                   on_llm_new_token=lambda *a, **k: None)
+            chunks = self._stream(messages, stop, shim, **kwargs)  # type: ignore[arg-type]
+            async for chunk in iterate_in_thread(chunks):
                 if run_manager is not None and chunk.message.content:
                     await run_manager.on_llm_new_token(chunk.message.content, chunk=chunk)
                 yield chunk

@@ -6,6 +6,8 @@ message as its fixed prompt, extracts the team's Agent Step Graph (GraphFlow, Ro
 SelectorGroupChat, Swarm), sends steps-to-execution hints before every turn, and stamps each reply's
 ``metadata["kvbaton_handle"]``. ``@agent`` does the same for an AssistantAgent factory.
 
+The hints go out through :class:`kvbaton.adapters.core.HintSender`, shared with the LangGraph adapter.
+
 See docs/autogen.md.
 """
 

@@ -10,9 +10,11 @@ handle sharing the longest token prefix with its prompt to ``generate(handle=...
 
 Tools: autogen tools are converted to OpenAI-style ``{"type": "function", "function": {...}}``
 schemas. If the model's chat template renders tools they go through ``chat_tokens(tools=...)``;
-otherwise (SmolLM2's template ignores them) they are described in the system prompt in the Hermes
-format, and the model calls them by writing ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-(a bare JSON object ``{"name": ..., "arguments": ...}`` naming a known tool is accepted too).
+otherwise (SmolLM2's template ignores them) they are described in the system prompt in the
+adapters' one tool-call convention (:mod:`kvbaton.adapters.core`; messages in ``_autogen_messages``).
+
+This module is the AutoGen glue and the per-connection state (shared connections, the side table);
+the best handle, agent registration and sync/async dispatch are :mod:`kvbaton.adapters.core`'s.
 
 See docs/autogen.md.
 """

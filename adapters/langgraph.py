@@ -10,8 +10,11 @@
 - At run time a callback registered with ``register_configure_hook`` (active only inside the
   wrapper's calls) sees node starts and ends, sends ``client.hints(step_graph, running, finished)``
   before each step, learns wildcard routes from observed hops, and registers each agent's fixed
-  prompt on its first LLM call.
+  prompt once per client.
 - :class:`KvbatonChatModel` is the chat model (handles on messages; see ``_langchain_model``).
+
+What is not LangGraph-specific — the hint sender, agent registration, the tool-call convention, the
+best handle, sync/async dispatch — is :mod:`kvbaton.adapters.core`, shared with the AutoGen adapter.
 
 See docs/langgraph.md.
 """

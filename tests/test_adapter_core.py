@@ -96,9 +96,11 @@ def test_parse_tool_calls_formats() -> None:
                                      '{"name": "get_weather", "parameters": {"city": "Rome"}}]', NAMES)
     assert [c.arguments for c in calls] == [{"city": "Oslo"}, {"city": "Rome"}]
     # an unterminated last block counts
-    assert core.parse_tool_calls('<tool_call>{"name": "get_weather", "arguments": {}}', NAMES)[1][0].name == "get_weather"
+    _, (call,) = core.parse_tool_calls('<tool_call>{"name": "get_weather", "arguments": {}}', NAMES)
+    assert call.name == "get_weather"
     # unknown tools, no tools, broken JSON or prose: plain text, unchanged
-    assert core.parse_tool_calls('{"name": "rm_rf", "arguments": {}}', NAMES) == ('{"name": "rm_rf", "arguments": {}}', [])
+    unknown = '{"name": "rm_rf", "arguments": {}}'
+    assert core.parse_tool_calls(unknown, NAMES) == (unknown, [])
     assert core.parse_tool_calls('<tool_call>{"name": "get_weather"}</tool_call>', []) == (
         '<tool_call>{"name": "get_weather"}</tool_call>', [])
     assert core.parse_tool_calls("<tool_call>{oops</tool_call>", NAMES) == ("<tool_call>{oops</tool_call>", [])
@@ -113,20 +115,23 @@ def test_forced_tool_takes_a_bare_object_as_arguments() -> None:
     text, calls = core.parse_tool_calls('{"city": "Oslo", "celsius": 3}', ["Weather"], forced="Weather")
     assert text == "" and [(c.name, c.arguments) for c in calls] == [("Weather", {"city": "Oslo", "celsius": 3})]
     # a real call still wins over the forced reading, and prose stays prose
-    assert core.parse_tool_calls('{"name": "Weather", "arguments": {"city": "X"}}', ["Weather"], "Weather")[1][0].arguments == {"city": "X"}
+    _, (call,) = core.parse_tool_calls('{"name": "Weather", "arguments": {"city": "X"}}', ["Weather"], "Weather")
+    assert call.arguments == {"city": "X"}
     assert core.parse_tool_calls("cold", ["Weather"], forced="Weather") == ("cold", [])
 
 
 def test_tool_prompt_and_rendering_round_trip() -> None:
-    tool = {"type": "function", "function": {"name": "add", "description": "Add.", "strict": True,
-                                             "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fn = {"name": "add", "description": "Add.", "strict": True, "parameters": params}
+    tool = {"type": "function", "function": fn}
     block = core.render_tools([tool])
     assert block.startswith("You can call these tools:\n<tools>\n") and "</tools>\nTo call a tool" in block
     line = block.split("\n")[2]
-    assert json.loads(line) == {"name": "add", "description": "Add.", "parameters": tool["function"]["parameters"]}
+    assert json.loads(line) == {"name": "add", "description": "Add.", "parameters": params}  # "strict" is not shown
     assert '"name": "add"' in line  # one JSON style for every adapter
     # appended to the first system message, or a new one
-    chat = core.with_tool_prompt([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}], [tool])
+    chat = core.with_tool_prompt([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}],
+                                 [tool])
     assert chat[0]["content"] == f"Be terse.\n\n{block}" and len(chat) == 2
     assert core.with_tool_prompt([{"role": "user", "content": "hi"}], [tool])[0] == {"role": "system", "content": block}
     assert core.with_tool_prompt([{"role": "user", "content": "hi"}], []) == [{"role": "user", "content": "hi"}]
@@ -261,8 +266,9 @@ def test_registration_skips_engines_without_workflow_eviction_and_never_raises(c
 def test_explicit_registration_is_remembered_and_raises() -> None:
     fake = Fake()
     assert core.register_agent(fake, "judge", "You judge.", prefill=True) == "judge"
-    assert fake.calls == [("register_agent", ("judge", [{"role": "system", "content": "You judge."}]), {"prefill": True})]
-    core.register_fixed_prompt(fake, "judge", [{"role": "system", "content": "You judge."}])
+    judge = [{"role": "system", "content": "You judge."}]
+    assert fake.calls == [("register_agent", ("judge", judge), {"prefill": True})]
+    core.register_fixed_prompt(fake, "judge", judge)
     assert len(fake.calls) == 1  # already registered with that prompt
     with pytest.raises(InvalidRequest):
         core.register_agent(Fake(fail=True), "judge", "x")
