@@ -66,7 +66,7 @@ def _method(client: Any, name: str) -> Callable[..., Any]:
     return fn
 
 
-def call_target(client: Any) -> Any:
+def _call_target(client: Any) -> Any:
     """The client :func:`call` calls for ``client`` (see :func:`sync_client`); TypeError when
     ``client`` is async-only."""
     sync = sync_client(client)
@@ -79,7 +79,7 @@ def call(client: Any, name: str, *args: Any, **kwargs: Any) -> Any:
     """``client.<name>(*args, **kwargs)`` from synchronous code (an async client's wrapped sync
     client is used). AttributeError when the client has no such method, TypeError when it is
     async-only."""
-    return _method(call_target(client), name)(*args, **kwargs)
+    return _method(_call_target(client), name)(*args, **kwargs)
 
 
 async def _ainvoke(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -288,7 +288,7 @@ def run_with_handle(
     """``client.<method>(messages, handle=handle, agent=agent, **options)`` (``agent`` only where the
     method takes it). A stale handle (:data:`STALE_HANDLE_ERRORS`) makes the same call without it —
     plain prefill — after ``on_stale(handle)``."""
-    fn = _method(call_target(client), method)
+    fn = _method(_call_target(client), method)
     options.update(agent_kwargs(fn, agent))
     try:
         return fn(messages, handle=handle, **options)

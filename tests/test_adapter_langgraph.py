@@ -217,6 +217,22 @@ def test_tools_and_structured_output() -> None:
     assert parse_tool_calls("no call here", ["add"]) == ("no call here", [])
 
 
+def test_async_streaming_on_a_sync_client() -> None:
+    # a sync client under astream: its stream runs in worker threads, text chunks then the handle
+    client = InstantClient("one two three")
+    model = KvbatonChatModel(client=client)
+
+    async def collect() -> list[Any]:
+        return [c async for c in model.astream([HumanMessage("Count.")])]
+
+    chunks = asyncio.run(collect())
+    merged = chunks[0]
+    for c in chunks[1:]:
+        merged += c
+    assert merged.content == "one two three" and len(chunks) == 4
+    assert handle_of(merged) == f"{len(client.calls):032x}" and client.calls[-1]["handle"] is None
+
+
 # -- the real engine --------------------------------------------------------------------------------
 
 
