@@ -3,36 +3,29 @@
 It is the LLM half of the LangGraph adapter (:mod:`kvbaton.adapters.langgraph`) and also works on
 its own. Every AIMessage it produces carries its KV handle in ``additional_kwargs["kvbaton"]``; a
 later call whose prompt contains such messages passes one of their handles, so the engine reuses
-that KV for the longest common token prefix instead of prefilling the text again. See
+that KV for the longest common token prefix instead of prefilling the text again. This module is
+the LangChain glue (messages, callbacks, chunks); the choice of that handle, the tool-call
+convention, agent registration and sync/async dispatch are :mod:`kvbaton.adapters.core`'s. See
 docs/langgraph.md.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import json
 import logging
-import re
-import threading
-import uuid
-import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from types import SimpleNamespace
 from typing import Any
 
 from kvbaton.client import AsyncClient, Client
-from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle
-from kvbaton.handle import Handle, common_prefix_length
+from kvbaton.handle import Handle
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
     BaseMessage,
-    HumanMessage,
-    SystemMessage,
     ToolMessage,
 )
 from langchain_core.messages import (
@@ -42,6 +35,21 @@ from langchain_core.messages.tool import tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field
+
+from .core import (
+    aregister_fixed_prompt,
+    arank_for_prompt,
+    arun_with_handle,
+    iterate_in_thread,
+    parse_tool_calls,
+    rank_for_prompt,
+    register_fixed_prompt,
+    render_tool_calls,
+    run_with_handle,
+    sync_client,
+    tool_result,
+    with_tool_prompt,
+)
 
 log = logging.getLogger("kvbaton.adapters.langchain")
 
@@ -66,141 +74,6 @@ def agent_from_metadata(metadata: Mapping[str, Any] | None) -> str | None:
     return node if isinstance(node, str) and node else None
 
 
-# -- fixed prompts: registered once per (client, agent) ---------------------------------------------
-
-_registered: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
-_registered_lock = threading.Lock()
-
-
-def _claim_registration(client: Any, agent: str) -> bool:
-    """True the first time ``agent`` is seen for ``client`` (the caller then registers it)."""
-    with _registered_lock:
-        try:
-            seen = _registered.setdefault(client, set())
-        except TypeError:  # not weak-referenceable: register every time rather than never
-            return True
-        if agent in seen:
-            return False
-        seen.add(agent)
-        return True
-
-
-def leading_system(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The leading system message(s) of a chat: an agent's fixed prompt."""
-    out = []
-    for m in messages:
-        if m.get("role") != "system":
-            break
-        out.append(m)
-    return out
-
-
-def engine_supports(client: Any, feature: str) -> bool:
-    """Whether the engine behind ``client`` reports ``feature`` (a :class:`kvbaton.Capabilities`
-    field; "exact"/"corrected" levels count as support). Clients that do not say are assumed able."""
-    describe = getattr(client, "capabilities", None)
-    try:
-        caps = describe() if describe is not None else None
-    except Exception:  # noqa: BLE001 - e.g. a server older than the endpoint: assume it can
-        return True
-    if inspect.isawaitable(caps):  # an async client: not worth a round trip here
-        caps.close()
-        return True
-    value = getattr(caps, feature, True)
-    return value in ("exact", "corrected") if isinstance(value, str) else bool(value)
-
-
-def register_fixed_prompt(client: Any, agent: str | None, messages: Sequence[dict[str, Any]]) -> None:
-    """Register ``agent``'s fixed prompt (its leading system messages) with ``client``, once."""
-    if not agent or client is None or not hasattr(client, "register_agent"):
-        return
-    fixed = leading_system(messages)
-    if not fixed or not _claim_registration(client, agent):
-        return
-    if not engine_supports(client, "workflow_eviction"):  # asked once per agent, after the claim
-        return
-    try:
-        client.register_agent(agent, fixed)
-    except Exception as exc:  # noqa: BLE001 - a cache hint must never break the app
-        log.warning("kvbaton: registering agent %r failed: %s", agent, exc)
-
-
-def sync_client(client: Any) -> Any:
-    """A synchronous client for control calls (hints, registration): ``client`` itself unless it
-    is an :class:`~kvbaton.AsyncClient` (then the sync client it wraps, if any, else None)."""
-    if client is None or not isinstance(client, AsyncClient):
-        return client
-    inner = getattr(client, "client", None)  # AsyncEmbeddedClient wraps an EmbeddedClient
-    return inner if inner is not None and not isinstance(inner, AsyncClient) else None
-
-
-_kw_cache: dict[tuple[type, str], bool] = {}
-
-
-def _accepts_agent(fn: Callable[..., Any]) -> bool:
-    key = (type(getattr(fn, "__self__", fn)), getattr(fn, "__name__", ""))
-    if key not in _kw_cache:
-        try:
-            _kw_cache[key] = "agent" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            _kw_cache[key] = False
-    return _kw_cache[key]
-
-
-# -- tools: a documented JSON convention ------------------------------------------------------------
-
-TOOL_PROMPT = (
-    "You can call these tools:\n{tools}\n\n"
-    "To call a tool, answer with one line per call, exactly:\n"
-    '<tool_call>{{"name": "<tool name>", "arguments": {{...}}}}</tool_call>'
-)
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-
-def render_tools(tools: Sequence[dict[str, Any]]) -> str:
-    lines = []
-    for t in tools:
-        fn = t.get("function", t)
-        lines.append(json.dumps({"name": fn.get("name"), "description": fn.get("description", ""),
-                                 "parameters": fn.get("parameters", {})}, separators=(",", ":")))
-    return TOOL_PROMPT.format(tools="\n".join(lines))
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, ValueError):
-        return None
-
-
-def parse_tool_calls(
-    text: str, tool_names: Sequence[str], forced: str | None = None
-) -> tuple[str, list[dict[str, Any]]]:
-    """Tool calls in model output: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
-    (Hermes/Qwen style), or a whole-output JSON object ``{"name": ..., "arguments": ...}``. With a
-    forced single tool (``tool_choice``), a bare JSON object is taken as that tool's arguments.
-    Returns the text without the calls, and LangChain tool calls."""
-    calls: list[dict[str, Any]] = []
-    for body in _TOOL_CALL_RE.findall(text):
-        obj = _loads(body)
-        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-            args = obj.get("arguments", obj.get("parameters", {}))
-            if isinstance(args, str):
-                args = _loads(args) or {}
-            calls.append(tool_call(name=obj["name"], args=args if isinstance(args, dict) else {},
-                                   id=f"call_{uuid.uuid4().hex[:24]}"))
-    if calls:
-        return _TOOL_CALL_RE.sub("", text).strip(), calls
-    obj = _loads(text.strip())
-    if isinstance(obj, dict):
-        if isinstance(obj.get("name"), str) and obj["name"] in tool_names and "arguments" in obj:
-            args = obj["arguments"] if isinstance(obj["arguments"], dict) else {}
-            return "", [tool_call(name=obj["name"], args=args, id=f"call_{uuid.uuid4().hex[:24]}")]
-        if forced is not None:
-            return "", [tool_call(name=forced, args=obj, id=f"call_{uuid.uuid4().hex[:24]}")]
-    return text, []
-
-
 # -- messages ---------------------------------------------------------------------------------------
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
@@ -219,73 +92,47 @@ def _text(content: Any) -> str:
 
 
 def to_chat(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """LangChain messages as kvbaton chat messages. Tool calls of AI messages are rendered in the
-    tool convention above, so a conversation re-renders to the tokens the model produced."""
+    """LangChain messages as kvbaton chat messages, in the adapters' tool-call convention
+    (:mod:`kvbaton.adapters.core`): an AI message's tool calls follow its text as ``<tool_call>``
+    lines, so a conversation re-renders to the tokens the model produced; tool results are wrapped
+    in ``<tool_response>``."""
     out: list[dict[str, Any]] = []
     for m in messages:
+        if isinstance(m, ToolMessage):
+            out.append(tool_result(_text(m.content)))
+            continue
         if isinstance(m, LcChatMessage):
             role = m.role if m.role in ("system", "user", "assistant", "tool") else "user"
         else:
             role = _ROLES.get(m.type, "user")
         content = _text(m.content)
         if isinstance(m, AIMessage) and m.tool_calls:
-            rendered = "\n".join(
-                "<tool_call>" + json.dumps({"name": c["name"], "arguments": c["args"]}) + "</tool_call>"
-                for c in m.tool_calls
-            )
-            content = f"{content}\n{rendered}" if content else rendered
+            content = render_tool_calls(content, [(c["name"], c["args"]) for c in m.tool_calls])
         out.append({"role": role, "content": content})
     return out
 
 
-def handle_of(message: BaseMessage) -> dict[str, Any] | None:
-    """The kvbaton handle (JSON dict) an AI message carries, if any."""
+def _handle_data(message: BaseMessage) -> dict[str, Any] | None:
+    """The handle (JSON dict) an AI message carries under :data:`KVBATON_KEY`, if any."""
     data = message.additional_kwargs.get(KVBATON_KEY) if isinstance(message, AIMessage) else None
     handle = data.get("handle") if isinstance(data, dict) else None
-    return handle if isinstance(handle, dict) and "id" in handle else None
+    return handle if isinstance(handle, dict) and isinstance(handle.get("id"), str) else None
 
 
-def _dict_tokens(data: dict[str, Any]) -> list[int]:
-    """``Handle.token_ids()`` of a handle's JSON dict, without validating the whole handle."""
-    tokens: list[int] = []
-    for step in data.get("lineage") or ():
-        keep = step.get("keep")
-        if keep is not None:
-            del tokens[keep:]
-        tokens.extend(step.get("token_ids") or ())
-    return tokens
+def handle_of(message: BaseMessage) -> str | None:
+    """The id of the kvbaton handle a message carries, if any (same shape as the AutoGen adapter's)."""
+    data = _handle_data(message)
+    return data["id"] if data is not None else None
 
 
-def pick_handle(
-    candidates: list[dict[str, Any]], prompt_tokens: Callable[[], list[int]] | None
-) -> Handle | None:
-    """The most useful handle for a prompt: the one sharing the longest token prefix with it (the
-    latest on ties); the latest when tokens are not available. One candidate costs no tokenization;
-    only the chosen handle is validated."""
-    order = list(reversed(candidates))
-    if len(order) > 1 and prompt_tokens is not None:
-        tokens = prompt_tokens()
-        lengths = []
-        for data in order:
-            try:
-                lengths.append(common_prefix_length(_dict_tokens(data), tokens))
-            except (TypeError, AttributeError):
-                lengths.append(-1)
-        best = max(range(len(order)), key=lambda i: (lengths[i], -i))
-        order.insert(0, order.pop(best))
-    for data in order:
+def _first_valid(ranked: Sequence[dict[str, Any]]) -> Handle | None:
+    """The first ranked handle dict that validates (only the chosen one is validated)."""
+    for data in ranked:
         try:
             return Handle.model_validate(data)
         except Exception:  # noqa: BLE001 - a foreign or stale dict is just not reusable
             log.debug("kvbaton: ignoring a malformed handle on a message")
     return None
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-_STALE = (HandleNotFound, HandleReleased, IncompatibleHandle)
 
 
 # -- the chat model ---------------------------------------------------------------------------------
@@ -330,8 +177,9 @@ class KvbatonChatModel(BaseChatModel):
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | dict[str, Any] | bool | None = None,
                    **kwargs: Any) -> Any:
         """Bind tools (anything ``convert_to_openai_tool`` accepts). They are described in the system
-        prompt and calls are parsed from the output (see :data:`TOOL_PROMPT`). ``tool_choice`` may
-        be a tool name, ``"any"``/``"required"``/``True`` (with one tool: forced) or ``"auto"``."""
+        prompt and calls are parsed from the output (the convention of :mod:`kvbaton.adapters.core`).
+        ``tool_choice`` may be a tool name, ``"any"``/``"required"``/``True`` (with one tool: forced)
+        or ``"auto"``."""
         formatted = [convert_to_openai_tool(t) for t in tools]
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
@@ -350,7 +198,6 @@ class KvbatonChatModel(BaseChatModel):
 
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any,
                  kwargs: dict[str, Any]) -> dict[str, Any]:
-        chat = to_chat(messages)
         tools = kwargs.get("tools") or []
         names = [t.get("function", t).get("name") for t in tools]
         forced = None
@@ -361,36 +208,18 @@ class KvbatonChatModel(BaseChatModel):
             forced = choice
         elif choice in ("any", "required", True) and len(names) == 1:
             forced = names[0]
-        if tools:
-            prompt = render_tools(tools)
-            if chat and chat[0]["role"] == "system":
-                chat[0] = {**chat[0], "content": f"{chat[0]['content']}\n\n{prompt}"}
-            else:
-                chat.insert(0, {"role": "system", "content": prompt})
         metadata = getattr(run_manager, "metadata", None) if run_manager is not None else None
-        agent = self.agent or agent_from_metadata(metadata)
-        candidates = [h for m in messages if (h := handle_of(m)) is not None] if self.pass_handles else []
-        return {"chat": chat, "agent": agent, "candidates": candidates, "tool_names": names, "forced": forced,
+        candidates = [h for m in messages if (h := _handle_data(m)) is not None] if self.pass_handles else []
+        return {"chat": with_tool_prompt(to_chat(messages), tools), "candidates": candidates,
+                "agent": self.agent or agent_from_metadata(metadata), "tool_names": names, "forced": forced,
                 "sampling": self._sampling(stop, kwargs)}
-
-    def _bind_run(self, req: dict[str, Any], client: Any) -> None:
-        run = ACTIVE_RUN.get()
-        if run is not None:
-            run.bind_client(client)
-        if self.register_agents:
-            register_fixed_prompt(client, req["agent"], req["chat"])
-
-    def _options(self, fn: Callable[..., Any], req: dict[str, Any]) -> dict[str, Any]:
-        opts = dict(req["sampling"])
-        if req["agent"] and _accepts_agent(fn):
-            opts["agent"] = req["agent"]
-        return opts
 
     def _message(self, req: dict[str, Any], result: Any, chunk: bool = False) -> AIMessage:
         text = result.text
         calls: list[dict[str, Any]] = []
         if req["tool_names"]:
-            text, calls = parse_tool_calls(text, req["tool_names"], req["forced"])
+            text, parsed = parse_tool_calls(text, req["tool_names"], req["forced"])
+            calls = [tool_call(name=c.name, args=c.arguments, id=c.id) for c in parsed]
         timings = result.timings
         prompt_tokens = timings.tokens_reused + timings.tokens_prefilled
         kv: dict[str, Any] = {"handle": result.handle.model_dump(mode="json")}
@@ -414,6 +243,13 @@ class KvbatonChatModel(BaseChatModel):
         return AIMessage(content=text, additional_kwargs={KVBATON_KEY: kv}, response_metadata=meta,
                          usage_metadata=usage, tool_calls=calls)  # type: ignore[arg-type]
 
+    def _final(self, req: dict[str, Any], result: Any) -> ChatGenerationChunk:
+        """The last chunk of a stream: the handle and usage (and, with tools, the parsed output)."""
+        final = self._message(req, result, chunk=True)
+        if not req["tool_names"]:
+            final.content = ""  # the text went out chunk by chunk
+        return ChatGenerationChunk(message=final)  # type: ignore[arg-type]
+
     # -- sync ------------------------------------------------------------------------------------
 
     def _sync(self) -> Client:
@@ -422,92 +258,54 @@ class KvbatonChatModel(BaseChatModel):
             raise TypeError("this KvbatonChatModel has an async-only client: use ainvoke/astream")
         return client
 
-    def _handle(self, client: Client, req: dict[str, Any]) -> Handle | None:
-        return pick_handle(req["candidates"], lambda: client.chat_tokens(req["chat"]))
-
     def _call(self, client: Client, method: str, req: dict[str, Any]) -> Any:
-        fn = getattr(client, method)
-        handle = self._handle(client, req) if req["candidates"] else None
-        opts = self._options(fn, req)
-        try:
-            return fn(req["chat"], handle=handle, **opts)
-        except _STALE:
-            if handle is None:
-                raise
-            return fn(req["chat"], **opts)  # a released/foreign handle: plain prefill
+        run = ACTIVE_RUN.get()
+        if run is not None:
+            run.bind_client(client)
+        if self.register_agents:
+            register_fixed_prompt(client, req["agent"], req["chat"])
+        ranked = rank_for_prompt(client, req["candidates"], req["chat"]) if req["candidates"] else []
+        return run_with_handle(client, method, req["chat"], _first_valid(ranked), agent=req["agent"],
+                               **req["sampling"])
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        client = self._sync()
         req = self._prepare(messages, stop, run_manager, kwargs)
-        self._bind_run(req, client)
-        result = self._call(client, "generate", req)
+        result = self._call(self._sync(), "generate", req)
         return ChatResult(generations=[ChatGeneration(message=self._message(req, result))])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        client = self._sync()
         req = self._prepare(messages, stop, run_manager, kwargs)
-        self._bind_run(req, client)
-        stream = self._call(client, "generate_stream", req)
+        stream = self._call(self._sync(), "generate_stream", req)
         try:
-            if not req["tool_names"]:  # with tools bound the output is parsed as a whole
-                for piece in stream:
-                    if piece.text:
-                        chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
-                        if run_manager is not None:
-                            run_manager.on_llm_new_token(piece.text, chunk=chunk)
-                        yield chunk
-            else:
-                for _ in stream:
-                    pass
+            for piece in stream:
+                if piece.text and not req["tool_names"]:  # with tools bound the output is parsed as a whole
+                    chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
+                    if run_manager is not None:
+                        run_manager.on_llm_new_token(piece.text, chunk=chunk)
+                    yield chunk
         finally:
             stream.close()
-        final = self._message(req, stream.result, chunk=True)
-        if not req["tool_names"]:
-            final.content = ""
-        yield ChatGenerationChunk(message=final)  # type: ignore[arg-type]
+        yield self._final(req, stream.result)
 
     # -- async -----------------------------------------------------------------------------------
 
     async def _acall(self, method: str, req: dict[str, Any]) -> Any:
         client = self.client
-        if not isinstance(client, AsyncClient):
-            sync = self._sync()
-            return await asyncio.to_thread(self._call, sync, method, req)
-        fn = getattr(client, method)
-        handle = None
-        if req["candidates"]:
-            handle = pick_handle(req["candidates"], None)
-            if len(req["candidates"]) > 1:
-                tokens = await client.chat_tokens(req["chat"])
-                handle = pick_handle(req["candidates"], lambda: tokens)
-        opts = self._options(fn, req)
-        try:
-            return await fn(req["chat"], handle=handle, **opts)
-        except _STALE:
-            if handle is None:
-                raise
-            return await fn(req["chat"], **opts)
-
-    async def _abind_run(self, req: dict[str, Any]) -> None:
-        control = sync_client(self.client)
+        control = sync_client(client)
         run = ACTIVE_RUN.get()
         if run is not None and control is not None:
             run.bind_client(control)
-        if self.register_agents and req["agent"] and leading_system(req["chat"]):
-            if control is not None:
-                await asyncio.to_thread(register_fixed_prompt, control, req["agent"], req["chat"])
-            elif hasattr(self.client, "register_agent") and _claim_registration(self.client, req["agent"]):
-                try:
-                    await self.client.register_agent(req["agent"], leading_system(req["chat"]))
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("kvbaton: registering agent %r failed: %s", req["agent"], exc)
+        if self.register_agents:
+            await aregister_fixed_prompt(client, req["agent"], req["chat"])
+        ranked = await arank_for_prompt(client, req["candidates"], req["chat"]) if req["candidates"] else []
+        return await arun_with_handle(client, method, req["chat"], _first_valid(ranked), agent=req["agent"],
+                                      **req["sampling"])
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         req = self._prepare(messages, stop, run_manager, kwargs)
-        await self._abind_run(req)
         result = await self._acall("generate", req)
         return ChatResult(generations=[ChatGeneration(message=self._message(req, result))])
 
@@ -515,19 +313,16 @@ class KvbatonChatModel(BaseChatModel):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         if not isinstance(self.client, AsyncClient):
-            # a sync client: stream from a worker thread, one chunk per await
-            shim = SimpleNamespace(metadata=getattr(run_manager, "metadata", None), on_llm_new_token=_ignore)
-            iterator = self._stream(messages, stop, shim, **kwargs)  # type: ignore[arg-type]
-            done = object()
-            while True:
-                chunk = await asyncio.to_thread(next, iterator, done)
-                if chunk is done:
-                    return
+            # a sync client: its stream runs in worker threads, one chunk per await
+            shim = SimpleNamespace(metadata=getattr(run_manager, "metadata", None),
+                                   on_llm_new_token=lambda *a, **k: None)
+            chunks = self._stream(messages, stop, shim, **kwargs)  # type: ignore[arg-type]
+            async for chunk in iterate_in_thread(chunks):
                 if run_manager is not None and chunk.message.content:
                     await run_manager.on_llm_new_token(chunk.message.content, chunk=chunk)
                 yield chunk
+            return
         req = self._prepare(messages, stop, run_manager, kwargs)
-        await self._abind_run(req)
         stream = await self._acall("generate_stream", req)
         try:
             async for piece in stream:
@@ -538,13 +333,7 @@ class KvbatonChatModel(BaseChatModel):
                     yield chunk
         finally:
             await stream.aclose()
-        final = self._message(req, stream.result, chunk=True)
-        if not req["tool_names"]:
-            final.content = ""
-        yield ChatGenerationChunk(message=final)  # type: ignore[arg-type]
+        yield self._final(req, stream.result)
 
 
-__all__ = ["KVBATON_KEY", "KvbatonChatModel", "agent_from_metadata", "handle_of", "parse_tool_calls", "to_chat"]
-
-# keep a reference: these are part of the message conversion's public surface
-_ = (HumanMessage, SystemMessage, ToolMessage)
+__all__ = ["KVBATON_KEY", "KvbatonChatModel", "agent_from_metadata", "handle_of", "to_chat"]

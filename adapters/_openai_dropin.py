@@ -12,7 +12,8 @@ Inside a run of a graph wrapped with ``wrap(app, base_url=...)``:
   ``additional_kwargs["kvbaton"] = {"handle": {"id": ...}, "agent": ...}``.
 
 The patch is process-wide but inert outside wrapped runs with a ``base_url`` (it checks a ContextVar
-first), and other hosts are never touched. The server reuses each agent's latest handle by itself.
+first), and other hosts are never touched. The server reuses each agent's latest handle by itself;
+hints and agent registrations go to it through a plain kvbaton HTTP client (:func:`control_client`).
 """
 
 from __future__ import annotations
@@ -112,29 +113,9 @@ def normalize_base_url(base_url: str) -> str:
     return base if base.endswith("/v1") else base + "/v1"
 
 
-class ServerControl:
-    """The wrapper's control calls (hints, agent registration) to a ``kvbaton serve`` over HTTP:
-    ``POST /v1/kv/hints`` (``inf`` is sent as a large finite number) and ``POST /v1/kv/agents``."""
+def control_client(base_url: str, token: str | None = None, timeout: float = 10.0) -> Any:
+    """The wrapper's client for control calls (hints, agent registration) to a ``kvbaton serve``:
+    a :class:`kvbaton.Client` over HTTP (``POST /v1/kv/hints``, ``POST /v1/kv/agents``)."""
+    from kvbaton.client import connect
 
-    FAR = 1e9
-
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 10.0) -> None:
-        root = normalize_base_url(base_url)[: -len("/v1")]
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=root, headers=headers, timeout=timeout)
-
-    def hints(self, steps: Any, *, running: Any = (), finished: Any = ()) -> dict[str, float]:
-        running, finished = tuple(running), tuple(finished)
-        ste = steps.steps_to_execution(running, finished) if hasattr(steps, "steps_to_execution") else dict(steps)
-        body = {"steps": {a: (v if v != float("inf") else self.FAR) for a, v in ste.items()}, "running": list(running)}
-        response = self.http.post("/v1/kv/hints", json=body)
-        response.raise_for_status()
-        return dict(response.json().get("steps", {}))
-
-    def register_agent(self, name: str, fixed_prompt: Any, *, prefill: bool = False) -> Any:
-        response = self.http.post("/v1/kv/agents", json={"name": name, "fixed_prompt": fixed_prompt, "prefill": prefill})
-        response.raise_for_status()
-        return response.json()
-
-    def close(self) -> None:
-        self.http.close()
+    return connect(normalize_base_url(base_url)[: -len("/v1")], token=token, timeout=timeout)

@@ -6,6 +6,8 @@ message as its fixed prompt, extracts the team's Agent Step Graph (GraphFlow, Ro
 SelectorGroupChat, Swarm), sends steps-to-execution hints before every turn, and stamps each reply's
 ``metadata["kvbaton_handle"]``. ``@agent`` does the same for an AssistantAgent factory.
 
+The hints go out through :class:`kvbaton.adapters.core.HintSender`, shared with the LangGraph adapter.
+
 See docs/autogen.md.
 """
 
@@ -16,7 +18,7 @@ import functools
 import inspect
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, TypeVar
 
 from autogen_agentchat.base import ChatAgent, Response
@@ -30,14 +32,13 @@ from .autogen_client import (
     KvbatonChatCompletionClient,
     KvbatonChatCompletionClientConfig,
     handle_table,
-    message_text,
-    parse_tool_calls,
     register_connection,
     render_messages,
     shared_connection,
     target_of,
     tool_schema,
 )
+from .core import HintSender
 
 logger = logging.getLogger("kvbaton.adapters.autogen")
 
@@ -200,9 +201,14 @@ class Instrumentation:
     model_clients: dict[str, KvbatonChatCompletionClient] = field(default_factory=dict)
     hint_log: list[HintEvent] = field(default_factory=list)
     speakers: list[str] = field(default_factory=list)
-    send_hints: bool = True
+    send_hints: InitVar[bool] = True
     running: dict[str, int] = field(default_factory=dict)
     finished: dict[str, _Completion] = field(default_factory=dict)
+    hint_sender: HintSender = field(init=False, repr=False)
+
+    def __post_init__(self, send_hints: bool) -> None:
+        # False: hints are only logged; a client without hints() turns it off by itself
+        self.hint_sender = HintSender(self.step_graph, self.client, enabled=send_hints, logger=logger)
 
     @property
     def handle_table(self) -> HandleTable:
@@ -244,26 +250,7 @@ class Instrumentation:
         finished = tuple(a for a in self.finished if a not in self.running)
         steps = self.step_graph.steps_to_execution(running=running, finished=finished)
         self.hint_log.append(HintEvent(running, finished, {a: float(v) for a, v in steps.items()}))
-        if not self.send_hints:
-            return
-        try:
-            await _backend_call(self.client, "hints", self.step_graph, running=running, finished=finished)
-        except AttributeError:  # a backend without workflow awareness: stop trying
-            logger.info("%s takes no hints; the adapter keeps only its hint log", type(self.client).__name__)
-            self.send_hints = False
-        except Exception:  # hints are advisory: never fail a turn over them
-            logger.warning("kvbaton hints failed", exc_info=True)
-
-
-async def _backend_call(backend: Any, name: str, *args: Any, **kwargs: Any) -> Any:
-    method = getattr(backend, name, None)
-    if method is None:
-        method = getattr(getattr(backend, "engine", None), name, None)
-        if method is None:
-            raise AttributeError(f"{type(backend).__name__} has no {name}()")
-    if inspect.iscoroutinefunction(method):
-        return await method(*args, **kwargs)
-    return await asyncio.to_thread(method, *args, **kwargs)
+        await self.hint_sender.asend(running, finished)
 
 
 def _wrap_turns(agent: Any, inst: Instrumentation) -> None:
@@ -430,7 +417,6 @@ def handle_of(message: BaseChatMessage) -> str | None:
 
 
 __all__ = [
-    "METADATA_KEY",
     "HandleTable",
     "HintEvent",
     "Instrumentation",
@@ -443,14 +429,9 @@ __all__ = [
     "graph_selector",
     "graph_swarm",
     "handle_of",
-    "handle_table",
     "instrument",
-    "message_text",
-    "parse_tool_calls",
     "register_connection",
     "render_messages",
     "shared_connection",
-    "stamp",
-    "target_of",
     "tool_schema",
 ]

@@ -10,9 +10,11 @@ handle sharing the longest token prefix with its prompt to ``generate(handle=...
 
 Tools: autogen tools are converted to OpenAI-style ``{"type": "function", "function": {...}}``
 schemas. If the model's chat template renders tools they go through ``chat_tokens(tools=...)``;
-otherwise (SmolLM2's template ignores them) they are described in the system prompt in the Hermes
-format, and the model calls them by writing ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-(a bare JSON object ``{"name": ..., "arguments": ...}`` naming a known tool is accepted too).
+otherwise (SmolLM2's template ignores them) they are described in the system prompt in the
+adapters' one tool-call convention (:mod:`kvbaton.adapters.core`; messages in ``_autogen_messages``).
+
+This module is the AutoGen glue and the per-connection state (shared connections, the side table);
+the best handle, agent registration and sync/async dispatch are :mod:`kvbaton.adapters.core`'s.
 
 See docs/autogen.md.
 """
@@ -21,40 +23,36 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import inspect
-import json
 import logging
-import re
 import threading
-import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any, Literal, Self
 
 try:
-    from autogen_core import CancellationToken, Component, FunctionCall, Image
+    from autogen_core import CancellationToken, Component, FunctionCall
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the AutoGen adapter needs autogen-core: pip install 'kvbaton[autogen]'") from exc
 from autogen_core.models import (
     AssistantMessage,
     ChatCompletionClient,
     CreateResult,
-    FunctionExecutionResultMessage,
     LLMMessage,
     ModelCapabilities,  # type: ignore[attr-defined]
     ModelFamily,
     ModelInfo,
     RequestUsage,
-    SystemMessage,
-    UserMessage,
 )
 from autogen_core.tools import Tool, ToolSchema
 from kvbaton.client import AsyncClient, Client
-from kvbaton.errors import HandleNotFound, HandleReleased, KvbatonError
-from kvbaton.handle import Handle, common_prefix_length
+from kvbaton.errors import KvbatonError
+from kvbaton.handle import Handle
 from kvbaton.types import Result
 from pydantic import BaseModel, Field
+
+from . import core
+from ._autogen_messages import function_calls, message_text, render_messages, tool_schema
 
 logger = logging.getLogger("kvbaton.adapters.autogen")
 
@@ -72,7 +70,9 @@ DEFAULT_MODEL_INFO: ModelInfo = {
     "multiple_system_messages": True,
 }
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# what "auto" tool_prompt renders once with and without a tool, to learn whether the template shows tools
+_PROBE_CHAT = [{"role": "user", "content": "x"}]
+_PROBE_TOOL = {"type": "function", "function": {"name": "kvbaton_probe", "parameters": {"type": "object"}}}
 
 
 class KvbatonChatCompletionClientConfig(BaseModel):
@@ -194,135 +194,6 @@ def handle_table(backend: Client | AsyncClient) -> HandleTable:
         return table
 
 
-# -- rendering ----------------------------------------------------------------------------------------
-
-
-def tool_schema(tool: Tool | ToolSchema | Mapping[str, Any]) -> dict[str, Any]:
-    """An autogen tool as an OpenAI-style function schema."""
-    schema: Mapping[str, Any] = tool.schema if isinstance(tool, Tool) else tool  # type: ignore[assignment]
-    function: dict[str, Any] = {"name": schema["name"]}
-    if schema.get("description"):
-        function["description"] = schema["description"]
-    function["parameters"] = dict(schema.get("parameters") or {"type": "object", "properties": {}})
-    return {"type": "function", "function": function}
-
-
-def tools_system_block(tools: Sequence[dict[str, Any]]) -> str:
-    """The Hermes-style tool description appended to the system prompt when the template ignores tools."""
-    lines = "\n".join(json.dumps(t["function"], sort_keys=True) for t in tools)
-    return (
-        "You can call these tools:\n<tools>\n" + lines + "\n</tools>\n"
-        'To call a tool, reply with <tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>.'
-    )
-
-
-def _text(content: str | Sequence[str | Image]) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if isinstance(part, str):
-            parts.append(part)
-        else:
-            raise TypeError("kvbaton models take text only: image content is not supported (vision=False)")
-    return "\n".join(parts)
-
-
-def _call_text(call: FunctionCall) -> str:
-    try:
-        arguments: Any = json.loads(call.arguments) if call.arguments else {}
-    except json.JSONDecodeError:
-        arguments = call.arguments
-    return "<tool_call>" + json.dumps({"name": call.name, "arguments": arguments}) + "</tool_call>"
-
-
-def message_text(message: LLMMessage) -> str:
-    """The text a message is rendered with (also the side-table key of AutoGen replies)."""
-    if isinstance(message, AssistantMessage) and not isinstance(message.content, str):
-        calls = "\n".join(_call_text(c) for c in message.content)
-        return f"{message.thought}\n{calls}" if message.thought else calls
-    if isinstance(message, FunctionExecutionResultMessage):
-        return "\n".join(r.content for r in message.content)
-    return _text(message.content)  # type: ignore[arg-type]
-
-
-def render_messages(
-    messages: Sequence[LLMMessage], tools: Sequence[dict[str, Any]] = (), tools_in_system: bool = False
-) -> list[dict[str, str]]:
-    """``LLMMessage``s as kvbaton chat messages (``role``/``content``).
-
-    Function results become ``tool`` messages wrapped in ``<tool_response>``; assistant function
-    calls become ``<tool_call>`` text. With ``tools_in_system`` the tool block is appended to the
-    first system message (one is added if there is none)."""
-    out: list[dict[str, str]] = []
-    for message in messages:
-        if isinstance(message, SystemMessage):
-            out.append({"role": "system", "content": message.content})
-        elif isinstance(message, UserMessage):
-            out.append({"role": "user", "content": _text(message.content)})
-        elif isinstance(message, AssistantMessage):
-            out.append({"role": "assistant", "content": message_text(message)})
-        elif isinstance(message, FunctionExecutionResultMessage):
-            for result in message.content:
-                out.append({"role": "tool", "content": f"<tool_response>{result.content}</tool_response>"})
-        else:  # pragma: no cover - LLMMessage is a closed union
-            raise TypeError(f"unsupported message type {type(message).__name__}")
-    if tools and tools_in_system:
-        block = tools_system_block(tools)
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}"}
-        else:
-            out.insert(0, {"role": "system", "content": block})
-    return out
-
-
-def parse_tool_calls(text: str, tool_names: Sequence[str]) -> tuple[list[FunctionCall], str]:
-    """Tool calls in model output: ``<tool_call>{json}</tool_call>`` blocks, or the whole reply being a
-    JSON object (or list of objects) ``{"name": <known tool>, "arguments": {...}}``.
-
-    Returns the calls and the text outside them (the "thought")."""
-    if not tool_names:
-        return [], text
-    found: list[Any] = []
-    rest = text
-    if "<tool_call>" in text:
-        for body in _TOOL_CALL.findall(text):
-            try:
-                found.append(json.loads(body))
-            except json.JSONDecodeError:
-                logger.debug("unparsable tool call %r", body)
-        rest = _TOOL_CALL.sub("", text)
-    else:
-        stripped = text.strip()
-        if stripped.startswith(("{", "[")):
-            try:
-                parsed = json.loads(stripped)
-                found = parsed if isinstance(parsed, list) else [parsed]
-                rest = ""
-            except json.JSONDecodeError:
-                pass
-    calls: list[FunctionCall] = []
-    for item in found:
-        if not isinstance(item, dict) or item.get("name") not in tool_names:
-            continue
-        arguments = item.get("arguments", item.get("parameters", {}))
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments)
-        calls.append(FunctionCall(id=f"call_{uuid.uuid4().hex[:24]}", name=item["name"], arguments=arguments))
-    if not calls:
-        return [], text
-    return calls, rest.strip()
-
-
-
-
-def _accepts(fn: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 # -- the client -----------------------------------------------------------------------------------------
 
 
@@ -375,7 +246,6 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         self._total = RequestUsage(prompt_tokens=0, completion_tokens=0)
         self._actual = RequestUsage(prompt_tokens=0, completion_tokens=0)
         self._template_renders_tools: bool | None = None
-        self._registered: list[dict[str, str]] | None = None
         self.last_result: Result | None = None
         """The kvbaton :class:`~kvbaton.Result` of the latest request (timings, handle)."""
         self.last_handle: Handle | None = None
@@ -397,6 +267,11 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
     def handle_table(self) -> HandleTable:
         return self._table
 
+    @property
+    def fixed_prompt(self) -> list[dict[str, Any]] | None:
+        """The fixed prompt last registered for this client's agent on its kvbaton client."""
+        return core.registered_prompt(self._client, self._config.agent) if self._config.agent else None
+
     def with_agent(self, agent: str) -> KvbatonChatCompletionClient:
         """A client on the same connection and settings, tagged with ``agent``."""
         options = self._config.model_dump()
@@ -411,28 +286,8 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         return cls(**config.model_dump())
 
     # -- backend calls --------------------------------------------------------------------------------
-    def _sync_backend(self) -> Client | None:
-        if isinstance(self._client, Client):
-            return self._client
-        inner = getattr(self._client, "client", None)  # AsyncEmbeddedClient wraps a sync client
-        return inner if isinstance(inner, Client) else None
-
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        backend = self._client
-        method = getattr(backend, name, None)
-        if method is None:  # an embedded client that predates the method: ask its engine
-            method = getattr(getattr(backend, "engine", None), name, None)
-            if method is None:
-                raise AttributeError(f"{type(backend).__name__} has no {name}()")
-        if inspect.iscoroutinefunction(method):
-            return await method(*args, **kwargs)
-        return await asyncio.to_thread(method, *args, **kwargs)
-
-    def _agent_kw(self, method_name: str) -> dict[str, Any]:
-        method = getattr(self._client, method_name, None)
-        if self._config.agent is not None and method is not None and _accepts(method, "agent"):
-            return {"agent": self._config.agent}
-        return {}
+        return await core.acall(self._client, name, *args, **kwargs)
 
     def _sampling(self, extra_create_args: Mapping[str, Any]) -> dict[str, Any]:
         unknown = set(extra_create_args) - set(SAMPLING_KEYS)
@@ -453,9 +308,7 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         return schemas
 
     def _renders_tools_sync(self, backend: Client) -> bool:
-        probe = [{"role": "user", "content": "x"}]
-        tool = {"type": "function", "function": {"name": "kvbaton_probe", "parameters": {"type": "object"}}}
-        return backend.chat_tokens(probe, tools=[tool]) != backend.chat_tokens(probe)
+        return backend.chat_tokens(_PROBE_CHAT, tools=[_PROBE_TOOL]) != backend.chat_tokens(_PROBE_CHAT)
 
     async def _tools_in_system(self, schemas: Sequence[dict[str, Any]]) -> bool:
         if not schemas or self._config.tool_prompt == "system":
@@ -463,11 +316,8 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         if self._config.tool_prompt == "template":
             return False
         if self._template_renders_tools is None:
-            probe = [{"role": "user", "content": "x"}]
-            tool = {"type": "function", "function": {"name": "kvbaton_probe", "parameters": {"type": "object"}}}
-            with_tools = await self._call("chat_tokens", probe, tools=[tool])
-            without = await self._call("chat_tokens", probe)
-            self._template_renders_tools = with_tools != without
+            with_tools = await self._call("chat_tokens", _PROBE_CHAT, tools=[_PROBE_TOOL])
+            self._template_renders_tools = with_tools != await self._call("chat_tokens", _PROBE_CHAT)
         return not self._template_renders_tools
 
     async def _prepare(
@@ -497,52 +347,26 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
     async def _register_fixed(self, chat: list[dict[str, str]], tools: list[dict[str, Any]] | None) -> None:
         """(Re-)register the agent's fixed prompt (its leading system messages, tools included)."""
         if self._config.agent is None or not self._config.register_prompt or tools:
-            # (templated tools: the fixed part is the template's business)
-            return
-        fixed = []
-        for message in chat:
-            if message["role"] != "system":
-                break
-            fixed.append(message)
-        if fixed and fixed != self._registered:
-            try:
-                await self.register_agent(fixed)
-            except AttributeError:  # a backend without workflow awareness: the prefix cache still works
-                logger.debug("%s cannot register agents", type(self._client).__name__)
-                self._registered = fixed
+            return  # (templated tools: the fixed part is the template's business)
+        await core.aregister_fixed_prompt(self._client, self._config.agent, chat)
+
+    def _agent_name(self) -> str:
+        if self._config.agent is None:
+            raise ValueError("register_agent needs a client tagged with an agent name")
+        return self._config.agent
 
     async def register_agent(self, fixed_prompt: Sequence[Mapping[str, str]] | str, *, prefill: bool = False) -> Any:
         """Declare this client's agent and its fixed prompt (system messages) to kvbaton."""
-        if self._config.agent is None:
-            raise ValueError("register_agent needs a client tagged with an agent name")
-        if isinstance(fixed_prompt, str):
-            fixed_prompt = [{"role": "system", "content": fixed_prompt}]
-        fixed = [dict(m) for m in fixed_prompt]
-        info = await self._call("register_agent", self._config.agent, fixed, prefill=prefill)
-        self._registered = fixed
-        return info
+        return await core.aregister_agent(self._client, self._agent_name(), fixed_prompt, prefill=prefill)
 
     def register_agent_sync(self, fixed_prompt: Sequence[Mapping[str, str]] | str, *, prefill: bool = False) -> Any:
         """:meth:`register_agent` for a synchronous kvbaton client, from synchronous code."""
-        if self._config.agent is None:
-            raise ValueError("register_agent needs a client tagged with an agent name")
-        if isinstance(fixed_prompt, str):
-            fixed_prompt = [{"role": "system", "content": fixed_prompt}]
-        fixed = [dict(m) for m in fixed_prompt]
-        method = getattr(self._client, "register_agent", None) or getattr(
-            getattr(self._client, "engine", None), "register_agent", None
-        )
-        if method is None:
-            logger.debug("%s cannot register agents", type(self._client).__name__)
-            self._registered = fixed
-            return None
-        info = method(self._config.agent, fixed, prefill=prefill)
-        self._registered = fixed
-        return info
+        return core.register_agent(self._client, self._agent_name(), fixed_prompt, prefill=prefill)
 
     async def _best_handle(
         self, messages: Sequence[LLMMessage], chat: list[dict[str, str]], tools: list[dict[str, Any]] | None
     ) -> Handle | None:
+        """Of the side-table handles of the prompt's messages, the one the prompt reuses most."""
         candidates: dict[str, Handle] = {}
         for message in messages:
             source = getattr(message, "source", None)
@@ -556,27 +380,15 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
                 candidates[found.id] = found
         if not candidates:
             return None
-        prompt = await self._call("chat_tokens", chat, tools=tools)
-        best, best_len = None, 0
-        for handle in candidates.values():
-            try:
-                shared = common_prefix_length(handle.token_ids(), prompt)
-            except (ValueError, KeyError, TypeError):  # a handle without replayable lineage
-                logger.debug("handle %s has no replayable lineage", handle.id)
-                continue
-            if shared > best_len:
-                best, best_len = handle, shared
-        return best
+        ranked = await core.arank_for_prompt(self._client, list(candidates.values()), chat, tools=tools)
+        return ranked[0] if ranked else None
 
-    async def _generate(self, chat: Any, tools: Any, options: dict[str, Any], handle: Handle | None) -> Result:
-        kw = self._agent_kw("generate")
-        try:
-            return await self._call("generate", chat, handle=handle, tools=tools, **kw, **options)
-        except (HandleReleased, HandleNotFound):
-            if handle is None:
-                raise
-            self._table.discard(handle.id)
-            return await self._call("generate", chat, tools=tools, **kw, **options)
+    def _forget(self, handle: Handle) -> None:
+        self._table.discard(handle.id)
+
+    async def _run(self, method: str, chat: Any, tools: Any, options: dict[str, Any], handle: Handle | None) -> Any:
+        return await core.arun_with_handle(self._client, method, chat, handle, agent=self._config.agent,
+                                           on_stale=self._forget, tools=tools, **options)
 
     async def _finish(
         self, result: Result, messages: Sequence[LLMMessage], schemas: list[str]
@@ -592,7 +404,7 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         for total in (self._total, self._actual):
             total.prompt_tokens += usage.prompt_tokens
             total.completion_tokens += usage.completion_tokens
-        calls, thought = parse_tool_calls(result.text, schemas)
+        thought, calls = function_calls(result.text, schemas)
         content: str | list[FunctionCall]
         if calls:
             content = calls
@@ -627,7 +439,7 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         chat, engine_tools, options, handle = await self._prepare(
             messages, tools, tool_choice, json_output, extra_create_args
         )
-        task = asyncio.ensure_future(self._generate(chat, engine_tools, options, handle))
+        task = asyncio.ensure_future(self._run("generate", chat, engine_tools, options, handle))
         if cancellation_token is not None:
             cancellation_token.link_future(task)
         result = await task
@@ -648,14 +460,7 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
             messages, tools, tool_choice, json_output, extra_create_args
         )
         names = [t["function"]["name"] for t in self._tool_schemas(tools, tool_choice)]
-        kw = self._agent_kw("generate_stream")
-        try:
-            stream = await self._call("generate_stream", chat, handle=handle, tools=engine_tools, **kw, **options)
-        except (HandleReleased, HandleNotFound):
-            if handle is None:
-                raise
-            self._table.discard(handle.id)
-            stream = await self._call("generate_stream", chat, tools=engine_tools, **kw, **options)
+        stream = await self._run("generate_stream", chat, engine_tools, options, handle)
         if hasattr(stream, "__aiter__"):
             async with stream:
                 async for chunk in stream:
@@ -665,12 +470,8 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
                         yield chunk.text
             result = stream.result
         else:
-            end = object()
             try:
-                while True:
-                    chunk = await asyncio.to_thread(next, stream, end)
-                    if chunk is end:
-                        break
+                async for chunk in core.iterate_in_thread(stream):
                     if cancellation_token is not None and cancellation_token.is_cancelled():
                         raise asyncio.CancelledError()
                     if chunk.text:
@@ -695,7 +496,7 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
 
     def count_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
         """Prompt tokens of ``messages`` as kvbaton's tokenizer and chat template render them."""
-        backend = self._sync_backend()
+        backend = core.sync_client(self._client)
         if backend is None:
             raise NotImplementedError("count_tokens needs a synchronous kvbaton client (or an embedded async one)")
         schemas = [tool_schema(t) for t in tools]
@@ -710,8 +511,7 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
     def _context_length(self) -> int:
         if self._config.context_length is not None:
             return self._config.context_length
-        engine = getattr(self._client, "engine", None)
-        limit = getattr(getattr(engine, "loaded", None), "max_context", None)
+        limit = getattr(getattr(self._client, "engine", None), "max_context", None)  # an embedded engine's
         return int(limit) if limit else 8192
 
     def remaining_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
@@ -746,17 +546,11 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
 
 
 __all__ = [
-    "METADATA_KEY",
     "HandleTable",
     "KvbatonChatCompletionClient",
     "KvbatonChatCompletionClientConfig",
-    "handle_table",
-    "message_text",
-    "parse_tool_calls",
     "register_connection",
     "render_messages",
     "shared_connection",
-    "target_of",
     "tool_schema",
-    "tools_system_block",
 ]

@@ -10,8 +10,11 @@
 - At run time a callback registered with ``register_configure_hook`` (active only inside the
   wrapper's calls) sees node starts and ends, sends ``client.hints(step_graph, running, finished)``
   before each step, learns wildcard routes from observed hops, and registers each agent's fixed
-  prompt on its first LLM call.
+  prompt once per client.
 - :class:`KvbatonChatModel` is the chat model (handles on messages; see ``_langchain_model``).
+
+What is not LangGraph-specific — the hint sender, agent registration, the tool-call convention, the
+best handle, sync/async dispatch — is :mod:`kvbaton.adapters.core`, shared with the AutoGen adapter.
 
 See docs/langgraph.md.
 """
@@ -32,19 +35,10 @@ from langchain_core.runnables import RunnableLambda, RunnableSequence
 from langchain_core.runnables.utils import get_function_nonlocals
 from langchain_core.tracers.context import register_configure_hook
 
-from ._langchain_model import (
-    ACTIVE_RUN,
-    KVBATON_KEY,
-    KvbatonChatModel,
-    agent_from_metadata,
-    handle_of,
-    parse_tool_calls,
-    register_fixed_prompt,
-    sync_client,
-    to_chat,
-)
-from ._openai_dropin import CURRENT_CALL, CallTag, ServerControl, normalize_base_url
+from ._langchain_model import ACTIVE_RUN, KVBATON_KEY, KvbatonChatModel, agent_from_metadata, handle_of, to_chat
+from ._openai_dropin import CURRENT_CALL, CallTag, control_client, normalize_base_url
 from ._openai_dropin import install as install_openai_dropin
+from .core import HintSender, register_fixed_prompt, sync_client
 
 log = logging.getLogger("kvbaton.adapters.langgraph")
 
@@ -329,12 +323,11 @@ class _Run(BaseCallbackHandler):
         with self.lock:
             if (running, finished) == self.last_hint:
                 return
-            client = self.wrapper.client
-            if client is None:
+            if self.wrapper.client is None:
                 self.unsent = (running, finished)
                 return
             self.last_hint = (running, finished)
-        self.wrapper._hint(client, running, finished)
+        self.wrapper.hint_sender.send(running, finished)
 
 
 # -- the wrapper ------------------------------------------------------------------------------------
@@ -347,16 +340,16 @@ class LangGraphApp:
     def __init__(self, app: Any, client: Any = None, *, base_url: str | None = None, token: str | None = None,
                  redirect_openai: bool = True, narrow_wildcards: bool = True) -> None:
         self.app = app
-        self.client = sync_client(client)
-        if client is not None and self.client is None:
+        control = sync_client(client)
+        if client is not None and control is None:
             raise TypeError("wrap() needs a kvbaton Client (or an AsyncEmbeddedClient) for its control calls")
         self.base_url = normalize_base_url(base_url) if base_url else None
         self.token = token
         self.redirect_openai = redirect_openai
         if self.base_url:
             install_openai_dropin()
-            if self.client is None:
-                self.client = ServerControl(self.base_url, token)
+            if control is None:
+                control = control_client(self.base_url, token)
         self.narrow_wildcards = narrow_wildcards
         extracted = extract_step_graph(app)
         self.extracted = extracted
@@ -364,8 +357,19 @@ class LangGraphApp:
         self.subgraphs = extracted.subgraphs
         self.learned: dict[str, list[str]] = {}
         self._lock = threading.RLock()
+        # the graph learns edges at run time: hints read it under the same lock
+        self.hint_sender = HintSender(self.step_graph, control, lock=self._lock, logger=log)
         self._join_sources = {p for a in self.step_graph.agents for t in self.step_graph.triggers(a)
                               if len(t) > 1 for p in t}
+
+    @property
+    def client(self) -> Any:
+        """The client that receives hints and agent registrations (None until one is known)."""
+        return self.hint_sender.client
+
+    @client.setter
+    def client(self, client: Any) -> None:
+        self.hint_sender.client = client
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.app, name)
@@ -373,18 +377,7 @@ class LangGraphApp:
     def __repr__(self) -> str:
         return f"kvbaton.adapters.langgraph.wrap({self.app!r}) with {self.step_graph!r}"
 
-    # -- hints and learning ---------------------------------------------------------------------
-    def _hint(self, client: Any, running: tuple[str, ...], finished: tuple[str, ...]) -> None:
-        hints = getattr(client, "hints", None)
-        if hints is None:
-            hints = getattr(getattr(client, "engine", None), "hints", None)
-        if hints is None:
-            return
-        try:
-            with self._lock:
-                hints(self.step_graph, running=running, finished=finished)
-        except Exception as exc:  # noqa: BLE001 - a cache hint must never break the app
-            log.warning("kvbaton hints failed: %s", exc)
+    # -- learning -------------------------------------------------------------------------------
 
     def _learn(self, prev: dict[str, None], node: str) -> list[str]:
         """Record the hop that started ``node`` when the declared graph does not explain it; returns
@@ -526,6 +519,5 @@ __all__ = [
     "agent_from_metadata",
     "extract_step_graph",
     "handle_of",
-    "parse_tool_calls",
     "wrap",
 ]

@@ -33,6 +33,7 @@ from autogen_core.tools import FunctionTool
 from autogen_ext.models.replay import ReplayChatCompletionClient
 from kvbaton.adapters import autogen as ka
 from kvbaton.adapters.autogen import KvbatonChatCompletionClient, handle_of, instrument
+from kvbaton.adapters.core import parse_tool_calls
 from kvbaton.backend import Engine
 from kvbaton.embedded import AsyncEmbeddedClient, EmbeddedClient
 
@@ -64,26 +65,6 @@ def reuse_of(client: KvbatonChatCompletionClient) -> list[int]:
 # -- no generation ----------------------------------------------------------------------------------
 
 
-def test_parse_tool_calls_formats():
-    names = ["get_weather", "transfer_to_bob"]
-    calls, thought = ka.parse_tool_calls(
-        'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', names
-    )
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
-    assert thought == "Let me check."
-    calls, thought = ka.parse_tool_calls('{"name": "transfer_to_bob", "arguments": {}}', names)
-    assert [c.name for c in calls] == ["transfer_to_bob"] and thought == ""
-    calls, _ = ka.parse_tool_calls('[{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}]', names)
-    assert json.loads(calls[0].arguments) == {"city": "Oslo"}
-    # unknown tools, no tools, or prose: plain text
-    assert ka.parse_tool_calls('{"name": "rm_rf", "arguments": {}}', names)[0] == []
-    assert ka.parse_tool_calls('<tool_call>{"name": "get_weather"}</tool_call>', [])[0] == []
-    assert ka.parse_tool_calls("It is sunny.", names) == ([], "It is sunny.")
-    assert len({c.id for c in ka.parse_tool_calls("<tool_call>" + '{"name": "get_weather", "arguments": {}}'
-                                                  "</tool_call>" * 1 + '<tool_call>{"name": "get_weather", '
-                                                  '"arguments": {}}</tool_call>', names)[0]}) == 2
-
-
 def test_render_messages_tools_and_results():
     call = FunctionCall(id="c1", name="get_weather", arguments='{"city": "Paris"}')
     messages = [
@@ -103,9 +84,9 @@ def test_render_messages_tools_and_results():
     assert chat[0]["content"].startswith("You help.\n\n") and '"name": "get_weather"' in chat[0]["content"]
     assert chat[2]["content"] == '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     assert chat[3]["content"] == "<tool_response>sunny</tool_response>"
-    # the rendered call parses back to the same call
-    back, _ = ka.parse_tool_calls(chat[2]["content"], ["get_weather"])
-    assert (back[0].name, json.loads(back[0].arguments)) == ("get_weather", {"city": "Paris"})
+    # the rendered call parses back to the same call (the parser itself: tests/test_adapter_core.py)
+    _, back = parse_tool_calls(chat[2]["content"], ["get_weather"])
+    assert (back[0].name, back[0].arguments) == ("get_weather", {"city": "Paris"})
 
 
 def test_step_graphs_of_teams(kv):
@@ -390,7 +371,7 @@ def test_swarm_two_handoffs(kv):
         assert handle_of(message) == clients[message.source].last_handle.id
     # carol's tools (a function and a handoff) were described in its system prompt, and its fixed
     # prompt was registered with them
-    fixed = clients["carol"]._registered
+    fixed = clients["carol"].fixed_prompt
     assert fixed and "transfer_to_alice" in fixed[0]["content"] and '"name": "lookup"' in fixed[0]["content"]
     assert isinstance(result.messages[-1], TextMessage)
     assert team.kvbaton.finished

@@ -16,12 +16,13 @@ import pytest
 pytest.importorskip("langgraph")
 
 import kvbaton
+from kvbaton.adapters.core import parse_tool_calls
 from kvbaton.adapters.langgraph import (
     KVBATON_KEY,
     KvbatonChatModel,
     agent_from_metadata,
     extract_step_graph,
-    parse_tool_calls,
+    handle_of,
     wrap,
 )
 from kvbaton.bench.adapter_overhead import InstantClient, build_graph
@@ -175,7 +176,7 @@ def test_handle_selection_and_stale_handles() -> None:
     other = model.invoke([HumanMessage("unrelated")])
     # two handles on the prompt: the one sharing the longer token prefix wins (not the latest)
     model.invoke([HumanMessage("a"), first, HumanMessage("b"), other])
-    assert client.calls[-1]["handle"].id == first.additional_kwargs[KVBATON_KEY]["handle"]["id"]
+    assert client.calls[-1]["handle"].id == first.additional_kwargs[KVBATON_KEY]["handle"]["id"] == handle_of(first)
     # a released handle falls back to plain prefill instead of failing
     client.release(first.additional_kwargs[KVBATON_KEY]["handle"]["id"])
     reply = model.invoke([HumanMessage("a"), first, HumanMessage("c")])
@@ -194,12 +195,12 @@ def test_tools_and_structured_output() -> None:
     msg = model.invoke([SystemMessage("Be terse."), HumanMessage("2+3?")])
     assert msg.content == "Sure." and msg.tool_calls[0]["name"] == "add" and msg.tool_calls[0]["args"] == {"a": 2, "b": 3}
     sent = client.calls[-1]["messages"]
-    assert sent[0]["role"] == "system" and "Be terse." in sent[0]["content"] and '"name":"add"' in sent[0]["content"]
+    assert sent[0]["role"] == "system" and "Be terse." in sent[0]["content"] and '"name": "add"' in sent[0]["content"]
     # the tool call and its result are rendered back into the next prompt
     model.invoke([HumanMessage("2+3?"), msg, ToolMessage("5", tool_call_id=msg.tool_calls[0]["id"])])
     rendered = client.calls[-1]["messages"]
     assert '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>' in rendered[-2]["content"]
-    assert rendered[-1] == {"role": "tool", "content": "5"}
+    assert rendered[-1] == {"role": "tool", "content": "<tool_response>5</tool_response>"}  # the one convention
     # streaming with tools: one final chunk with the parsed call
     chunks = list(model.stream([HumanMessage("2+3?")]))
     merged = chunks[0]
@@ -214,6 +215,22 @@ def test_tools_and_structured_output() -> None:
     structured = KvbatonChatModel(client=InstantClient('{"city": "Oslo", "celsius": 3}')).with_structured_output(Weather)
     assert structured.invoke("Weather in Oslo?") == Weather(city="Oslo", celsius=3)
     assert parse_tool_calls("no call here", ["add"]) == ("no call here", [])
+
+
+def test_async_streaming_on_a_sync_client() -> None:
+    # a sync client under astream: its stream runs in worker threads, text chunks then the handle
+    client = InstantClient("one two three")
+    model = KvbatonChatModel(client=client)
+
+    async def collect() -> list[Any]:
+        return [c async for c in model.astream([HumanMessage("Count.")])]
+
+    chunks = asyncio.run(collect())
+    merged = chunks[0]
+    for c in chunks[1:]:
+        merged += c
+    assert merged.content == "one two three" and len(chunks) == 4
+    assert handle_of(merged) == f"{len(client.calls):032x}" and client.calls[-1]["handle"] is None
 
 
 # -- the real engine --------------------------------------------------------------------------------

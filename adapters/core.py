@@ -1,0 +1,526 @@
+"""The adapter core: what every framework adapter of kvbaton shares, written once.
+
+The LangGraph adapter (``langgraph``, ``_langchain_model``, ``_openai_dropin``) and the AutoGen
+adapter (``autogen``, ``autogen_client``) keep only their framework glue; the parts below are the
+same for both:
+
+- **dispatch** — call a client method from sync code (:func:`call`) or async code (:func:`acall`)
+  whether the client is a :class:`kvbaton.Client` or a :class:`kvbaton.AsyncClient`;
+- **the tool-call convention** — one prompt block describing the tools (:func:`render_tools`), one
+  rendering of earlier calls and results, one parser (:func:`parse_tool_calls` → ``(text, calls)``);
+- **the best handle** — of the handles found on a prompt's messages, the one whose KV the prompt
+  reuses most (:func:`rank_handles`: longest common token prefix, latest on ties), and a call that
+  falls back to plain prefill when that handle went stale (:func:`run_with_handle`);
+- **agent registration** — an agent's fixed prompt (its leading system messages) registered once
+  per client, again only when it changes (:func:`register_fixed_prompt`);
+- **hints** — steps-to-execution of a :class:`~kvbaton.StepGraph` sent through the client's
+  ``hints()`` (:class:`HintSender`).
+
+Invariants: only the public client API is used (client methods, :class:`~kvbaton.Handle`,
+:class:`~kvbaton.StepGraph`), never an engine; cache hints (hints, implicit registrations) never
+raise into the app, they are logged; a helper has one name and one shape in every adapter; every
+``a``-prefixed function is the async twin of the one without, with the same arguments and result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import logging
+import re
+import threading
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvbaton.client import AsyncClient
+from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle
+from kvbaton.handle import Handle, common_prefix_length
+from kvbaton.stepgraph import StepGraph
+
+log = logging.getLogger("kvbaton.adapters")
+
+T = TypeVar("T")
+
+# -- dispatch ---------------------------------------------------------------------------------------
+
+
+def sync_client(client: Any) -> Any:
+    """A synchronous client for ``client``: ``client`` itself unless it is an
+    :class:`~kvbaton.AsyncClient`, then the sync client it wraps (an ``AsyncEmbeddedClient``'s
+    ``client``), or None when it wraps none (e.g. ``AsyncHttpClient``)."""
+    if client is None or not isinstance(client, AsyncClient):
+        return client
+    inner = getattr(client, "client", None)
+    return inner if inner is not None and not isinstance(inner, AsyncClient) else None
+
+
+def _method(client: Any, name: str) -> Callable[..., Any]:
+    fn = getattr(client, name, None)
+    if fn is None:
+        raise AttributeError(f"{type(client).__name__} has no {name}()")
+    return fn
+
+
+def _call_target(client: Any) -> Any:
+    """The client :func:`call` calls for ``client`` (see :func:`sync_client`); TypeError when
+    ``client`` is async-only."""
+    sync = sync_client(client)
+    if sync is None:
+        raise TypeError(f"{type(client).__name__} is async-only: call it from async code")
+    return sync
+
+
+def call(client: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``client.<name>(*args, **kwargs)`` from synchronous code (an async client's wrapped sync
+    client is used). AttributeError when the client has no such method, TypeError when it is
+    async-only."""
+    return _method(_call_target(client), name)(*args, **kwargs)
+
+
+async def _ainvoke(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)  # a sync client must not block the event loop
+
+
+async def acall(client: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    """Async twin of :func:`call`: coroutine methods are awaited, synchronous ones run in a worker
+    thread."""
+    return await _ainvoke(_method(client, name), *args, **kwargs)
+
+
+async def iterate_in_thread(iterator: Iterator[T]) -> AsyncIterator[T]:
+    """The items of a blocking iterator (a sync client's stream), each ``next`` in a worker thread."""
+    done: Any = object()
+    while (item := await asyncio.to_thread(next, iterator, done)) is not done:
+        yield item
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_agent(fn: Any) -> bool:
+    try:
+        return "agent" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def agent_kwargs(fn: Callable[..., Any], agent: str | None) -> dict[str, Any]:
+    """``{"agent": agent}`` when ``agent`` is set and ``fn`` takes an ``agent`` argument (clients of
+    the SDK do; wrappers and fakes may not), else ``{}``."""
+    if agent is None:
+        return {}
+    return {"agent": agent} if _takes_agent(getattr(fn, "__func__", fn)) else {}
+
+
+# -- the tool-call convention -----------------------------------------------------------------------
+
+TOOL_PROMPT = (
+    "You can call these tools:\n<tools>\n{tools}\n</tools>\n"
+    'To call a tool, reply with <tool_call>{{"name": <tool name>, "arguments": <JSON object>}}</tool_call>.'
+)
+"""The tool block appended to the system prompt (Hermes style); ``{tools}``: one JSON line per tool."""
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call parsed from model output."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+def render_tools(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tool block for OpenAI-style schemas (``{"type": "function", "function": {...}}`` or the
+    bare function dicts): each tool's name, description and parameters as one JSON line."""
+    lines = []
+    for tool in tools:
+        fn = tool.get("function", tool)
+        lines.append(json.dumps({k: fn[k] for k in ("name", "description", "parameters") if k in fn}, sort_keys=True))
+    return TOOL_PROMPT.format(tools="\n".join(lines))
+
+
+def with_tool_prompt(chat: Sequence[dict[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``chat`` with the tool block appended to its first system message (one is added if none)."""
+    out = list(chat)
+    if not tools:
+        return out
+    block = render_tools(tools)
+    if out and out[0].get("role") == "system":
+        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+    else:
+        out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def render_tool_calls(text: str, calls: Iterable[tuple[str, Any]]) -> str:
+    """An assistant turn with tool calls as the model writes it: ``text``, then one
+    ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` line per ``(name, arguments)``."""
+    rendered = "\n".join("<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
+                         for name, args in calls)
+    return f"{text}\n{rendered}" if text else rendered
+
+
+def tool_result(content: str) -> dict[str, str]:
+    """A tool's result as the chat message the model reads."""
+    return {"role": "tool", "content": f"<tool_response>{content}</tool_response>"}
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, ValueError, TypeError):
+        return None
+
+
+def _tool_call(item: Any, names: set[str]) -> ToolCall | None:
+    if not isinstance(item, dict) or item.get("name") not in names:
+        return None
+    args = item.get("arguments", item.get("parameters", {}))
+    if isinstance(args, str):
+        args = _json(args)
+    return ToolCall(item["name"], args if isinstance(args, dict) else {})
+
+
+def parse_tool_calls(
+    text: str, tool_names: Sequence[str], forced: str | None = None
+) -> tuple[str, list[ToolCall]]:
+    """Tool calls in model output: every ``<tool_call>{json}</tool_call>`` block (an unterminated last
+    block too), or, when there is none, a reply that is entirely a JSON object (or a list of them).
+    Only objects naming one of ``tool_names`` count; ``arguments`` (or ``parameters``) may be an
+    object or a JSON string. With ``forced`` (a single tool the caller requires), a bare JSON object
+    that is no call is taken as that tool's arguments.
+
+    Returns the text outside the calls and the calls; without calls, ``(text, [])``."""
+    names = set(tool_names)
+    if not names:
+        return text, []
+    whole = None
+    if "<tool_call>" in text:
+        found, rest = [_json(body) for body in _TOOL_CALL.findall(text)], _TOOL_CALL.sub("", text).strip()
+    else:
+        whole = _json(text.strip())
+        found, rest = (whole if isinstance(whole, list) else [whole]), ""
+    calls = [c for item in found if (c := _tool_call(item, names)) is not None]
+    if calls:
+        return rest, calls
+    if forced is not None and isinstance(whole, dict):
+        return "", [ToolCall(forced, whole)]
+    return text, []
+
+
+# -- the best handle --------------------------------------------------------------------------------
+
+STALE_HANDLE_ERRORS = (HandleNotFound, HandleReleased, IncompatibleHandle)
+"""A handle that is released, unknown to the engine (e.g. restored after a restart) or another
+model's: the call is made again without it."""
+
+H = TypeVar("H", bound="Handle | Mapping[str, Any]")
+
+
+def handle_tokens(handle: Handle | Mapping[str, Any]) -> list[int] | None:
+    """The token ids a handle covers, from its lineage (a :class:`~kvbaton.Handle` or its JSON dict,
+    read without validating it); None when the lineage cannot be replayed."""
+    try:
+        if isinstance(handle, Handle):
+            return handle.token_ids()
+        tokens: list[int] = []
+        for step in handle.get("lineage") or ():
+            keep = step.get("keep")
+            if keep is not None:
+                del tokens[keep:]
+            tokens.extend(step.get("token_ids") or ())
+        return tokens
+    except (TypeError, AttributeError, KeyError, ValueError):
+        return None
+
+
+def rank_handles(candidates: Sequence[H], prompt_tokens: Sequence[int] | None = None) -> list[H]:
+    """Candidate handles (oldest first, as they appear on the prompt) best first: the more of the
+    prompt's leading tokens a handle covers, the more KV the engine reuses from it (the latest on
+    ties). Handles that share no token with the prompt are left out. Without ``prompt_tokens``:
+    latest first."""
+    latest_first = list(reversed(candidates))
+    if prompt_tokens is None:
+        return latest_first
+    scored = []
+    for order, handle in enumerate(latest_first):
+        tokens = handle_tokens(handle)
+        shared = common_prefix_length(tokens, prompt_tokens) if tokens else 0
+        if shared > 0:
+            scored.append((-shared, order, handle))
+    return [handle for *_, handle in sorted(scored, key=lambda s: s[:2])]
+
+
+def best_handle(candidates: Sequence[H], prompt_tokens: Sequence[int] | None = None) -> H | None:
+    """The first of :func:`rank_handles`, or None."""
+    ranked = rank_handles(candidates, prompt_tokens)
+    return ranked[0] if ranked else None
+
+
+def rank_for_prompt(
+    client: Any, candidates: Sequence[H], messages: Sequence[Any], *, tools: Any = None
+) -> list[H]:
+    """:func:`rank_handles` for a chat prompt; the prompt is tokenized (``client.chat_tokens``) only
+    to choose between several candidates — one is taken as it is, the engine reuses what it shares."""
+    tokens = call(client, "chat_tokens", messages, tools=tools) if len(candidates) > 1 else None
+    return rank_handles(candidates, tokens)
+
+
+async def arank_for_prompt(
+    client: Any, candidates: Sequence[H], messages: Sequence[Any], *, tools: Any = None
+) -> list[H]:
+    tokens = await acall(client, "chat_tokens", messages, tools=tools) if len(candidates) > 1 else None
+    return rank_handles(candidates, tokens)
+
+
+def run_with_handle(
+    client: Any, method: str, messages: Any, handle: Any, *, agent: str | None = None,
+    on_stale: Callable[[Any], None] | None = None, **options: Any,
+) -> Any:
+    """``client.<method>(messages, handle=handle, agent=agent, **options)`` (``agent`` only where the
+    method takes it). A stale handle (:data:`STALE_HANDLE_ERRORS`) makes the same call without it —
+    plain prefill — after ``on_stale(handle)``."""
+    fn = _method(_call_target(client), method)
+    options.update(agent_kwargs(fn, agent))
+    try:
+        return fn(messages, handle=handle, **options)
+    except STALE_HANDLE_ERRORS:
+        if handle is None:
+            raise
+        if on_stale is not None:
+            on_stale(handle)
+        return fn(messages, **options)
+
+
+async def arun_with_handle(
+    client: Any, method: str, messages: Any, handle: Any, *, agent: str | None = None,
+    on_stale: Callable[[Any], None] | None = None, **options: Any,
+) -> Any:
+    fn = _method(client, method)
+    options.update(agent_kwargs(fn, agent))
+    try:
+        return await _ainvoke(fn, messages, handle=handle, **options)
+    except STALE_HANDLE_ERRORS:
+        if handle is None:
+            raise
+        if on_stale is not None:
+            on_stale(handle)
+        return await _ainvoke(fn, messages, **options)
+
+
+# -- agent registration -----------------------------------------------------------------------------
+
+# client -> {agent: the fixed prompt last registered}; weak, so a closed client's entries go with it
+_registered: weakref.WeakKeyDictionary[Any, dict[str, list[dict[str, Any]]]] = weakref.WeakKeyDictionary()
+_registered_lock = threading.Lock()
+
+
+def leading_system(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The leading system message(s) of a chat: an agent's fixed prompt."""
+    out = []
+    for m in messages:
+        if m.get("role") != "system":
+            break
+        out.append(dict(m))
+    return out
+
+
+def registered_prompt(client: Any, agent: str) -> list[dict[str, Any]] | None:
+    """The fixed prompt last registered for ``agent`` with ``client`` through this module."""
+    with _registered_lock:
+        try:
+            return _registered.get(client, {}).get(agent)
+        except TypeError:  # not weak-referenceable: nothing remembered
+            return None
+
+
+def _remember(client: Any, agent: str, fixed: list[dict[str, Any]]) -> bool:
+    """Record ``fixed`` as ``agent``'s registered prompt; False if it already was."""
+    with _registered_lock:
+        try:
+            seen = _registered.setdefault(client, {})
+        except TypeError:  # not weak-referenceable: register every time rather than never
+            return True
+        if seen.get(agent) == fixed:
+            return False
+        seen[agent] = fixed
+        return True
+
+
+def _as_messages(fixed_prompt: Sequence[Mapping[str, Any]] | str) -> list[dict[str, Any]]:
+    if isinstance(fixed_prompt, str):
+        return [{"role": "system", "content": fixed_prompt}]
+    return [dict(m) for m in fixed_prompt]
+
+
+def _supported(caps: Any, feature: str) -> bool:
+    value = getattr(caps, feature, True)
+    return value in ("exact", "corrected") if isinstance(value, str) else bool(value)
+
+
+def supports(client: Any, feature: str) -> bool:
+    """Whether the engine behind ``client`` reports ``feature`` (a :class:`kvbaton.Capabilities`
+    field; "exact"/"corrected" count as support). Clients that cannot say are assumed able."""
+    try:
+        return _supported(call(client, "capabilities"), feature)
+    except Exception:  # noqa: BLE001 - no capabilities() (older server, fake client): assume it can
+        return True
+
+
+async def asupports(client: Any, feature: str) -> bool:
+    try:
+        return _supported(await acall(client, "capabilities"), feature)
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def register_agent(
+    client: Any, agent: str, fixed_prompt: Sequence[Mapping[str, Any]] | str, *, prefill: bool = False
+) -> Any:
+    """Register ``agent``'s fixed prompt (system messages, or a string) with ``client`` now; the
+    client's errors are raised. Remembered, so :func:`register_fixed_prompt` does not repeat it.
+    A client without ``register_agent`` is skipped (None)."""
+    fixed = _as_messages(fixed_prompt)
+    info = call(client, "register_agent", agent, fixed, prefill=prefill) if _can_register(client) else None
+    _remember(client, agent, fixed)
+    return info
+
+
+async def aregister_agent(
+    client: Any, agent: str, fixed_prompt: Sequence[Mapping[str, Any]] | str, *, prefill: bool = False
+) -> Any:
+    fixed = _as_messages(fixed_prompt)
+    info = await acall(client, "register_agent", agent, fixed, prefill=prefill) if _can_register(client) else None
+    _remember(client, agent, fixed)
+    return info
+
+
+def _can_register(client: Any) -> bool:
+    return getattr(client, "register_agent", None) is not None
+
+
+def _due(client: Any, agent: str | None, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The fixed prompt to register now for ``agent``: new or changed for ``client``; [] if none."""
+    if not agent or client is None or not _can_register(client):
+        return []
+    fixed = leading_system(messages)
+    return fixed if fixed and _remember(client, agent, fixed) else []
+
+
+def register_fixed_prompt(client: Any, agent: str | None, messages: Sequence[Mapping[str, Any]]) -> None:
+    """Register ``agent``'s fixed prompt — the leading system messages of ``messages`` — with
+    ``client`` once (again only when it changes), if its engine does workflow eviction. Never
+    raises: a failure is logged (a cache hint must never break the app) and not retried."""
+    fixed = _due(client, agent, messages)
+    if not fixed or not supports(client, "workflow_eviction"):
+        return
+    try:
+        call(client, "register_agent", agent, fixed)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("kvbaton: registering agent %r failed: %s", agent, exc)
+
+
+async def aregister_fixed_prompt(client: Any, agent: str | None, messages: Sequence[Mapping[str, Any]]) -> None:
+    fixed = _due(client, agent, messages)
+    if not fixed or not await asupports(client, "workflow_eviction"):
+        return
+    try:
+        await acall(client, "register_agent", agent, fixed)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("kvbaton: registering agent %r failed: %s", agent, exc)
+
+
+# -- hints ------------------------------------------------------------------------------------------
+
+
+class HintSender:
+    """Sends the steps-to-execution of one :class:`~kvbaton.StepGraph` through a client's
+    ``client.hints(graph, running=..., finished=...)``.
+
+    Never raises into the app: a failing call is logged on ``logger``; a client without ``hints()``
+    is noted once and not asked again (``enabled`` turns False). The synchronous sender reads the
+    graph under ``lock`` (an adapter that learns edges at run time changes it under the same lock);
+    the async one sends through a sync client from a worker thread under the lock as well, through
+    an :class:`~kvbaton.AsyncClient` without it."""
+
+    def __init__(self, graph: StepGraph, client: Any = None, *, enabled: bool = True,
+                 lock: threading.RLock | None = None, logger: logging.Logger | None = None) -> None:
+        self.graph = graph
+        self.client = client
+        self.enabled = enabled
+        self.lock = lock if lock is not None else threading.RLock()
+        self.log = logger or log
+
+    def _ready(self) -> bool:
+        if not self.enabled or self.client is None:
+            return False
+        target = self.client if isinstance(self.client, AsyncClient) else sync_client(self.client)
+        if getattr(target, "hints", None) is None:
+            self.log.info("%s takes no hints; none are sent", type(self.client).__name__)
+            self.enabled = False
+        return self.enabled
+
+    def send(self, running: Sequence[str], finished: Sequence[str]) -> bool:
+        """Send the hints now; True when they went out."""
+        if not self._ready():
+            return False
+        try:
+            with self.lock:
+                call(self.client, "hints", self.graph, running=tuple(running), finished=tuple(finished))
+            return True
+        except Exception as exc:  # noqa: BLE001 - hints are advisory
+            self.log.warning("kvbaton hints failed: %s", exc)
+            return False
+
+    async def asend(self, running: Sequence[str], finished: Sequence[str]) -> bool:
+        if not isinstance(self.client, AsyncClient):
+            return await asyncio.to_thread(self.send, running, finished)
+        if not self._ready():
+            return False
+        try:
+            await acall(self.client, "hints", self.graph, running=tuple(running), finished=tuple(finished))
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("kvbaton hints failed: %s", exc)
+            return False
+
+
+__all__ = [
+    "STALE_HANDLE_ERRORS",
+    "TOOL_PROMPT",
+    "HintSender",
+    "ToolCall",
+    "acall",
+    "agent_kwargs",
+    "arank_for_prompt",
+    "aregister_agent",
+    "aregister_fixed_prompt",
+    "arun_with_handle",
+    "asupports",
+    "best_handle",
+    "call",
+    "handle_tokens",
+    "iterate_in_thread",
+    "leading_system",
+    "parse_tool_calls",
+    "rank_for_prompt",
+    "rank_handles",
+    "register_agent",
+    "register_fixed_prompt",
+    "registered_prompt",
+    "render_tool_calls",
+    "render_tools",
+    "run_with_handle",
+    "supports",
+    "sync_client",
+    "tool_result",
+    "with_tool_prompt",
+]
