@@ -51,7 +51,9 @@ class Sampling(SamplingParams):
         return self.model_dump(include=set(SamplingParams.model_fields))
 
 
-Agent = Annotated[str, Field(min_length=1, max_length=MAX_AGENT_CHARS, description="Agent tag (or header X-Kvbaton-Agent).")]
+Agent = Annotated[
+    str, Field(min_length=1, max_length=MAX_AGENT_CHARS, description="Agent tag (or header X-Kvbaton-Agent).")
+]
 
 
 class MaterializeRequest(BaseModel):
