@@ -292,6 +292,14 @@ def test_sampling_fields_match_the_sdk():
     assert Sampling().sampling_fields() == SamplingParams().model_dump()
 
 
+def test_create_app_takes_an_engine_or_an_embedded_client(local):
+    from kvbaton.backend.server import create_app
+
+    assert create_app(local).state.kvbaton.engine is local.engine
+    with pytest.raises(TypeError, match="EngineOps"):
+        create_app(object())
+
+
 def test_async_embedded_client_has_the_same_shape(local):
     engine = local.engine
     from kvbaton import AsyncClient
