@@ -303,13 +303,11 @@ class ChatServing(OpenAIServing):
 
     def finish(self, plan: Plan, results: Sequence[Result]) -> list[str | None]:
         state = self.state
+        state.record(plan.tenant, [r.handle for r in results])
         handles = [r.handle.id for r in results]
-        state.owners.add(plan.tenant, handles)
         if plan.keep:
             return list(handles)
-        slot = state.slots.slot(plan.key)
-        with slot.lock:
-            old, slot.handle_id = slot.handle_id, handles[0]
+        old = state.slots.slot(plan.key).replace(handles[0])
         state.release_quietly([*handles[1:], old if old != handles[0] else None])
         state.release_quietly([evicted.handle_id for evicted in state.slots.overflow()])
         return [handles[0]] + [None] * (len(handles) - 1)
@@ -352,8 +350,8 @@ class CompletionServing(OpenAIServing):
         return results, self.finish(plan, results)
 
     def finish(self, plan: Plan, results: Sequence[Result]) -> list[str | None]:
+        self.state.record(plan.tenant, [r.handle for r in results])
         handles = [r.handle.id for r in results]
-        self.state.owners.add(plan.tenant, handles)
         if plan.keep:
             return list(handles)
         self.state.release_quietly(handles)

@@ -119,11 +119,15 @@ class Slot:
     lock: threading.Lock = field(default_factory=threading.Lock)
     handle_id: str | None = None
 
+    def replace(self, handle_id: str | None) -> str | None:
+        """Hold ``handle_id`` instead; the handle held before (the caller releases it)."""
+        with self.lock:
+            old, self.handle_id = self.handle_id, handle_id
+        return old
+
     def take(self) -> str | None:
         """Empty the slot; the handle it held (the caller releases it)."""
-        with self.lock:
-            old, self.handle_id = self.handle_id, None
-        return old
+        return self.replace(None)
 
 
 class AgentSlots:
