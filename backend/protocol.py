@@ -1,18 +1,25 @@
 """Request and response bodies of the kvbaton server (native ``/v1/kv/...`` API and the OpenAI-compatible
-endpoints). Responses of the native API reuse the SDK types (``Handle``, ``Result``, ``Stats``)."""
+endpoints). Responses of the native API reuse the SDK types (``Handle``, ``Result``, ``Stats``).
+
+Invariant: the wire sampling fields are the SDK's :class:`~kvbaton.SamplingParams` itself
+(:class:`Sampling` subclasses it), so their names, defaults and limits cannot drift apart.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
 from kvbaton.handle import Handle
-from kvbaton.types import MAX_STOP_STRINGS
+from kvbaton.types import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 # A handle in a request: its id, or the whole handle (then checked for compatibility with the server's model).
 HandleRef = Handle | str
 # Text, or token ids.
 ContextIn = str | list[StrictInt]
+# Longest agent tag on the wire: a tenant's prefix ("t-<16 hex>/") keeps the engine's name of it
+# within kvbaton.ops.MAX_AGENT_CHARS.
+MAX_AGENT_CHARS = 200
 
 
 class ErrorDetail(BaseModel):
@@ -26,25 +33,27 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-class Sampling(BaseModel):
-    """Sampling fields, flat in the request body (same names and defaults as ``SamplingParams``)."""
+def _stop_takes_one_string(schema: dict[str, Any]) -> None:
+    """``SamplingParams`` reads a lone stop string as a one-item list: say so in the schema."""
+    stop = schema["properties"]["stop"]
+    title, default = stop.pop("title", None), stop.pop("default", None)
+    schema["properties"]["stop"] = {"anyOf": [{"type": "string"}, stop], "default": default, "title": title}
 
-    model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(default=64, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] = Field(default_factory=list)
-    ignore_eos: bool = False
+class Sampling(SamplingParams):
+    """Sampling fields, flat in the request body: ``SamplingParams`` plus ``stream``."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_stop_takes_one_string)
+
     stream: bool = Field(default=False, description="Answer with server-sent events (`chunk`..., then `result`).")
 
     def sampling_fields(self) -> dict[str, Any]:
-        return self.model_dump(include=set(Sampling.model_fields) - {"stream"})
+        return self.model_dump(include=set(SamplingParams.model_fields))
 
 
-Agent = Annotated[str, Field(min_length=1, max_length=200, description="Agent tag (or header X-Kvbaton-Agent).")]
+Agent = Annotated[
+    str, Field(min_length=1, max_length=MAX_AGENT_CHARS, description="Agent tag (or header X-Kvbaton-Agent).")
+]
 
 
 class MaterializeRequest(BaseModel):
@@ -205,7 +214,7 @@ class KvbatonExtension(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    agent: str | None = Field(default=None, max_length=200, description="Agent tag (also header X-Kvbaton-Agent).")
+    agent: str | None = Field(default=None, max_length=MAX_AGENT_CHARS, description="Agent tag (also header X-Kvbaton-Agent).")
     handle: HandleRef | None = Field(default=None, description="A handle whose KV to reuse (longest common prefix).")
     step: str | int | None = Field(default=None, description="Workflow step tag, echoed back.")
     keep: bool = Field(
@@ -215,39 +224,40 @@ class KvbatonExtension(BaseModel):
     )
 
 
-class ChatCompletionRequest(BaseModel):
+class OpenAIRequest(BaseModel):
+    """What the OpenAI chat and (legacy) completion requests share. Unknown fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=10.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    kvbaton: KvbatonExtension | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The ``SamplingParams`` fields the request sets (None: not given); ``top_k`` is an extra field."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": (self.model_extra or {}).get("top_k"), "stop": self.stop}
+
+
+class ChatCompletionRequest(OpenAIRequest):
     """The OpenAI chat completion request. Unknown fields are accepted and ignored."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=10.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    kvbaton: KvbatonExtension | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        return {**super().sampling_fields(), "max_tokens": self.max_completion_tokens or self.max_tokens}
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(OpenAIRequest):
     """The OpenAI (legacy) completion request: one prompt, text or token ids."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
     prompt: ContextIn | list[str] | list[list[StrictInt]]
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=10.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    kvbaton: KvbatonExtension | None = None

@@ -1,8 +1,9 @@
 """Typed exceptions of the kvbaton SDK.
 
-Every error carries a stable machine-readable ``code``; the server maps these codes to one JSON
-error schema (``{"error": {"code": ..., "message": ...}}``), and the HTTP client maps them back, so
-embedded and remote users catch the same types.
+Every error carries a stable machine-readable ``code`` and the HTTP ``status`` the server answers it
+with: the server turns an error into one JSON schema (``{"error": {"code": ..., "message": ...}}``)
+with that status, and the HTTP client maps the code back, so embedded and remote users catch the
+same types. A 4xx status means the request was at fault, a 5xx that the server was.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ class KvbatonError(Exception):
     """Base class of every error kvbaton raises on purpose."""
 
     code: str = "kvbaton_error"
+    status: int = 400  # an error of no more specific kind counts as the request's fault
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -22,18 +24,21 @@ class InvalidRequest(KvbatonError, ValueError):
     """Arguments that can never succeed: bad sampling values, empty input, wrong types."""
 
     code = "invalid_request"
+    status = 400
 
 
 class ContextTooLong(InvalidRequest):
     """The prompt (plus requested new tokens) does not fit the model's context window."""
 
     code = "context_too_long"
+    status = 400
 
 
 class HandleNotFound(KvbatonError, KeyError):
     """No KV state with this id exists here (never existed, or belongs to someone else)."""
 
     code = "handle_not_found"
+    status = 404
 
     def __str__(self) -> str:  # KeyError would quote the message otherwise
         return self.message
@@ -43,12 +48,14 @@ class HandleReleased(KvbatonError):
     """The handle existed but was released; its KV is gone."""
 
     code = "handle_released"
+    status = 410
 
 
 class IncompatibleHandle(KvbatonError):
     """The handle was made by another model, tokenizer or positional layout."""
 
     code = "incompatible_handle"
+    status = 409
 
 
 class UnsupportedPositions(IncompatibleHandle):
@@ -56,48 +63,56 @@ class UnsupportedPositions(IncompatibleHandle):
     (dynamic NTK, YaRN, LongRoPE...); the segment must be recomputed instead."""
 
     code = "unsupported_positions"
+    status = 409
 
 
 class MergeConflict(InvalidRequest):
     """A merge would place two different KV states at the same positions; kvbaton never blends them."""
 
     code = "merge_conflict"
+    status = 409
 
 
 class PoolExhausted(KvbatonError):
     """The KV block pool has no room for the request; release handles or raise the budget."""
 
     code = "pool_exhausted"
+    status = 503
 
 
 class ModelNotFound(KvbatonError):
     """The requested model is not installed or not a supported local checkpoint."""
 
     code = "model_not_found"
+    status = 404
 
 
 class PayloadTooLarge(InvalidRequest):
     """The request body exceeds the server's size limit."""
 
     code = "payload_too_large"
+    status = 413
 
 
 class Unauthorized(KvbatonError):
     """The server requires a bearer token and the request had none, or a wrong one."""
 
     code = "unauthorized"
+    status = 401
 
 
 class ServerUnavailable(KvbatonError):
     """The server could not be reached, or the connection broke or timed out mid-request."""
 
     code = "server_unavailable"
+    status = 503  # raised by clients, never answered by a server: the status says what it means
 
 
 class ServerError(KvbatonError):
     """The server failed on its own (a bug, not the request's fault)."""
 
     code = "internal_error"
+    status = 500
 
 
 ERRORS_BY_CODE: dict[str, type[KvbatonError]] = {

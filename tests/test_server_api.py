@@ -289,7 +289,15 @@ def test_sampling_fields_match_the_sdk():
     from kvbaton.types import SamplingParams
 
     assert set(Sampling.model_fields) - {"stream"} == set(SamplingParams.model_fields)
-    assert Sampling().sampling_fields() == SamplingParams().model_dump() | {"stop": []}
+    assert Sampling().sampling_fields() == SamplingParams().model_dump()
+
+
+def test_create_app_takes_an_engine_or_an_embedded_client(local):
+    from kvbaton.backend.server import create_app
+
+    assert create_app(local).state.kvbaton.engine is local.engine
+    with pytest.raises(TypeError, match="EngineOps"):
+        create_app(object())
 
 
 def test_async_embedded_client_has_the_same_shape(local):

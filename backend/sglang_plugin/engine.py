@@ -230,11 +230,19 @@ class SglangEngine:
 
     def _new(self, tokens: list[int], lineage: tuple[LineageStep, ...]) -> Handle:
         handle_id = new_handle_id()
+        state = _State(tokens, lineage)
         with self._lock:
-            self._states[handle_id] = _State(tokens, lineage)
+            self._states[handle_id] = state
+        return self._handle(handle_id, state)
+
+    def _handle(self, handle_id: str, state: _State) -> Handle:
         return Handle(id=handle_id, model=self.loaded.name, model_fingerprint=self.fingerprint,
-                      tokenizer_fingerprint=self.tokenizer_fingerprint, num_tokens=len(tokens),
-                      positions=self.positions, lineage=lineage, placement=self.placement)
+                      tokenizer_fingerprint=self.tokenizer_fingerprint, num_tokens=len(state.token_ids),
+                      positions=self.positions, lineage=state.lineage, placement=self.placement)
+
+    def describe(self, handle: Handle | str) -> Handle:
+        """The current metadata (lineage included) of a live handle."""
+        return self._handle(handle.id if isinstance(handle, Handle) else handle, self._lookup(handle))
 
     def materialize(self, context: str | Sequence[int], *, agent: str | None = None) -> Handle:
         tokens = self._tokens(context, "context")

@@ -1,0 +1,50 @@
+"""The kvbaton server: the engine behind HTTP.
+
+``create_app(engine)`` builds the FastAPI app; ``serve(...)`` (``kvbaton serve``) runs it under
+uvicorn. Endpoints:
+
+- native handle API under ``/v1/kv/...`` (materialize, extend, fork, resume, complete, generate,
+  release, release_all, stats, tokenize, detokenize, chat_tokens); generation streams as
+  server-sent events (``event: chunk`` ..., then ``event: result``);
+- OpenAI-compatible ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions``, with the
+  ``kvbaton`` body extension / ``X-Kvbaton-Agent`` header to reuse handles;
+- ``/health``, ``/v1/capabilities`` and ``/metrics`` (Prometheus text).
+
+Every error answers ``{"error": {"code": ..., "message": ...}}`` with the SDK's error codes and the
+status of the error's class, 4xx for anything the request did wrong. Engine calls block: they run
+in worker threads, and streams are pulled one step per worker call, so the event loop never waits
+on the model.
+
+Security: with tokens configured, every request needs ``Authorization: Bearer <token>``; each token
+is a tenant, and handles are visible only to the tenant that made them (any other tenant gets the
+same 404 as for an unknown id).
+
+Modules, one concept each: ``app`` (create_app, serve), ``state`` (what the endpoints share),
+``tenancy`` (tenants, handle owners, agent slots), ``errors`` (the error schema and handlers),
+``middleware`` (metrics, auth, body limit), ``metrics`` (Prometheus), ``sse`` (the one streaming
+driver), ``native`` (``/v1/kv`` routes), ``openai`` (OpenAI routes and message translation).
+"""
+
+from __future__ import annotations
+
+from .app import DEFAULT_MAX_TOKENS, create_app, engine_of, serve
+from .errors import error_response
+from .metrics import Metrics
+from .sse import EventStreamResponse
+from .state import ServerState
+from .tenancy import SINGLE_TENANT, AgentSlots, Owners, tenant_id
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "SINGLE_TENANT",
+    "AgentSlots",
+    "EventStreamResponse",
+    "Metrics",
+    "Owners",
+    "ServerState",
+    "create_app",
+    "engine_of",
+    "error_response",
+    "serve",
+    "tenant_id",
+]

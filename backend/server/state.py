@@ -1,0 +1,147 @@
+"""``ServerState``: everything the endpoints share — the engine, tenancy, limits, metrics, threads.
+
+The engine is any :class:`kvbaton.ops.EngineOps` (``Engine``, ``Cluster``, ``SglangEngine``); the
+state calls it directly. Invariants: engine calls block, so endpoints make them through ``run`` (a
+bounded pool of worker threads), never on the event loop; every handle a request makes is recorded
+for its tenant before the answer leaves (``record``), and every release goes through the state so
+that owners and agent slots forget the id; the engine gets every tenant's hints at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from kvbaton.client import sampling_params
+from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest
+from kvbaton.handle import Handle
+from kvbaton.ops import EngineOps, ste_map
+from kvbaton.types import SamplingParams, Stats
+
+from .. import protocol as p
+from .metrics import Metrics
+from .tenancy import AgentNames, AgentSlots, Owners
+
+T = TypeVar("T")
+
+
+def ref_id(ref: p.HandleRef) -> str:
+    return ref.id if isinstance(ref, Handle) else ref
+
+
+class ServerState:
+    """Everything the endpoints share: the engine, tenancy, limits, metrics."""
+
+    def __init__(
+        self,
+        engine: EngineOps,
+        *,
+        tenants: Mapping[str, str],
+        max_tokens: int | None,
+        default_max_tokens: int,
+        max_n: int,
+        max_agents: int,
+        threads: int,
+        fallback_max_tokens: int,
+    ) -> None:
+        self.engine = engine
+        self.tenants = tenants
+        self.multi_tenant = bool(tenants)
+        self.names = AgentNames(self.multi_tenant)
+        self.model = engine.stats().model
+        self.max_context: int | None = engine.max_context
+        # max_tokens caps every request (default: the model's context); default_max_tokens applies to
+        # OpenAI requests that give none.
+        self.max_tokens = max_tokens or self.max_context or fallback_max_tokens
+        self.default_max_tokens = min(default_max_tokens, self.max_tokens)
+        self.max_n = max_n
+        self.threads = threads
+        self.owners = Owners()
+        self.slots = AgentSlots(max_agents)
+        self.metrics = Metrics(engine.stats)
+        self._hints_lock = threading.Lock()
+        self._hints: dict[str, dict[str, float]] = {}  # tenant -> {engine agent name: steps}
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    # -- threads ------------------------------------------------------------------------------
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._limiter is None:  # made on first use: it belongs to the running event loop
+            self._limiter = anyio.CapacityLimiter(self.threads)
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._limiter)
+
+    # -- handles and tenancy --------------------------------------------------------------------
+    def check_owned(self, tenant: str, refs: Iterable[p.HandleRef | None]) -> None:
+        """``HandleNotFound`` unless every given handle is the tenant's (None: not given)."""
+        if self.multi_tenant:
+            self.owners.check(tenant, [ref_id(r) for r in refs if r is not None])
+
+    def record(self, tenant: str, handles: Iterable[Handle]) -> None:
+        self.owners.add(tenant, [h.id for h in handles])
+
+    def handle(self, ref: p.HandleRef) -> Handle:
+        """The whole handle of a reference (an id is described by the engine)."""
+        return ref if isinstance(ref, Handle) else self.engine.describe(ref)
+
+    def release(self, tenant: str, refs: Sequence[p.HandleRef]) -> None:
+        self.check_owned(tenant, refs)
+        self.engine.release(list(refs))
+        ids = {ref_id(r) for r in refs}
+        self.owners.released(ids)
+        self.slots.forget(ids)
+
+    def release_quietly(self, handle_ids: Iterable[str | None]) -> None:
+        """Release handles the server itself holds; already gone ones (None: none) are fine."""
+        for hid in handle_ids:
+            if hid is None:
+                continue
+            try:
+                self.engine.release(hid)
+            except (HandleNotFound, HandleReleased):
+                pass
+            self.owners.released([hid])
+
+    def release_all(self, tenant: str) -> int:
+        """Release every live handle of the tenant, those its agents' slots retain included."""
+        for slot in self.slots.tenant_slots(tenant):
+            slot.take()
+        ids = self.owners.live(tenant)
+        self.release_quietly(ids)
+        return len(ids)
+
+    # -- agents -------------------------------------------------------------------------------
+    def agent(self, tenant: str, agent: str | None) -> str | None:
+        """The engine's name of a tenant's agent: tenants share the engine, not agent names."""
+        return self.names.engine_name(tenant, agent)
+
+    def stats(self, tenant: str) -> Stats:
+        """The engine's stats, with the tenant's own agents only."""
+        stats = self.engine.stats()
+        if self.multi_tenant and stats.agents:
+            own = {}
+            for name, value in stats.agents.items():
+                mine = self.names.own_name(tenant, name)
+                if mine is not None:
+                    own[mine] = value
+            stats = stats.model_copy(update={"agents": own})
+        return stats
+
+    def hints(self, tenant: str, steps: Mapping[str, float], running: Sequence[str]) -> dict[str, float]:
+        """Set the tenant's steps-to-execution; the engine gets every tenant's hints together."""
+        mine = {name: v for a, v in ste_map(steps, running).items() if (name := self.agent(tenant, a)) is not None}
+        with self._hints_lock:
+            merged = {a: v for t, hs in self._hints.items() if t != tenant for a, v in hs.items()}
+            merged.update(mine)
+            result = self.engine.hints(merged)
+            self._hints[tenant] = mine
+        return {own: v for a, v in result.items() if (own := self.names.own_name(tenant, a)) is not None}
+
+    def sampling(self, fields: Mapping[str, Any]) -> SamplingParams:
+        """Validated sampling parameters within the server's ``max_tokens`` cap."""
+        params = sampling_params(None, dict(fields))
+        if params.max_tokens > self.max_tokens:
+            raise InvalidRequest(f"max_tokens {params.max_tokens} exceeds the server's limit of {self.max_tokens}")
+        return params
