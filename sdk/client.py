@@ -50,7 +50,11 @@ class Client:
     (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``).
 
     The client adds only that keyword convenience: every call goes to ``ops`` unchanged, so the
-    same code runs against every backend."""
+    same code runs against every backend. A client is itself a :class:`~kvbaton.ops.KVOps` (its
+    signatures are the contract's plus ``**options``), so clients compose: an asynchronous client
+    can wrap a synchronous one, and a subclass's overrides are what the wrapper calls."""
+
+    ops: KVOps
 
     def __init__(self, ops: KVOps) -> None:
         self.ops = ops
@@ -68,27 +72,27 @@ class Client:
         return self.ops.extend(handle, context, agent=agent)
 
     def resume(
-        self, handle: HandleLike, suffix: Context = "", *, sampling: SamplingParams | None = None,
+        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> Result:
         """Prefill ``suffix`` behind ``handle`` and generate."""
         return self.ops.resume(handle, suffix, sampling_params(sampling, options), agent=agent)
 
     def resume_stream(
-        self, handle: HandleLike, suffix: Context = "", *, sampling: SamplingParams | None = None,
+        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> TokenStream:
         """Like :meth:`resume`, yielding text as it is generated."""
         return self.ops.resume_stream(handle, suffix, sampling_params(sampling, options), agent=agent)
 
     def complete(
-        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
     ) -> Result:
         """Plain completion of text or token ids, without a handle or chat template (text replay)."""
         return self.ops.complete(prompt, sampling_params(sampling, options), agent=agent)
 
     def complete_stream(
-        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
     ) -> TokenStream:
         """Like :meth:`complete`, yielding text as it is generated."""
         return self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent)
@@ -202,7 +206,10 @@ class AsyncClient:
     :class:`~kvbaton.http.AsyncHttpOps`). Streaming methods return an
     :class:`~kvbaton.stream.AsyncTokenStream` (``async for chunk in stream``; ``stream.result``)."""
 
-    def __init__(self, ops: Any) -> None:
+    ops: Any
+
+    def __init__(self, ops: Any = None) -> None:
+        # None: a subclass that implements the methods itself (a test double, say) needs no backend.
         self.ops = ops
 
     async def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
@@ -215,24 +222,24 @@ class AsyncClient:
         return await self.ops.extend(handle, context, agent=agent)  # type: ignore[no-any-return]
 
     async def resume(
-        self, handle: HandleLike, suffix: Context = "", *, sampling: SamplingParams | None = None,
+        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> Result:
         return await self.ops.resume(handle, suffix, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
 
     async def resume_stream(
-        self, handle: HandleLike, suffix: Context = "", *, sampling: SamplingParams | None = None,
+        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> AsyncTokenStream:
         return await self.ops.resume_stream(handle, suffix, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
 
     async def complete(
-        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
     ) -> Result:
         return await self.ops.complete(prompt, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
 
     async def complete_stream(
-        self, prompt: Context, *, sampling: SamplingParams | None = None, agent: str | None = None, **options: Any
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
     ) -> AsyncTokenStream:
         return await self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
 

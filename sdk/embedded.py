@@ -109,7 +109,8 @@ class AsyncEmbeddedClient(AsyncClient):
         **engine_options: Any,
     ) -> None:
         self.client = client if client is not None else EmbeddedClient(model, engine=engine, **engine_options)
-        super().__init__(ThreadedOps(self.client.ops))
+        # The sync client, not its engine: a subclass's overrides (a scripted or spying client) hold here too.
+        super().__init__(ThreadedOps(self.client))
 
     @property
     def engine(self) -> Any:

@@ -39,6 +39,8 @@ def test_both_clients_offer_every_operator_with_the_contracts_parameters(client:
         theirs = inspect.signature(getattr(KVOps, name)).parameters
         assert set(theirs) <= set(ours), f"{client.__name__}.{name} lacks {set(theirs) - set(ours)}"
         assert set(ours) - set(theirs) <= {"options"}, f"{client.__name__}.{name} adds {set(ours) - set(theirs)}"
+        kinds = {p.name: p.kind for p in ours.values()}
+        assert all(kinds[p.name] == p.kind for p in theirs.values()), f"{client.__name__}.{name} parameter kinds"
         assert inspect.iscoroutinefunction(getattr(client, name)) == (client is kvbaton.AsyncClient)
 
 
