@@ -1,0 +1,78 @@
+"""``Stats`` of one engine, assembled from the counters each part keeps.
+
+The pool says what is used, the KV manager where attached blocks came from, the request lifecycle
+how many tokens were reused, prefilled and generated. Nothing here counts anything itself; the
+caller holds the engine lock, so the numbers are one consistent snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvbaton.types import AgentStats, CacheStats, Stats
+
+from .kv_manager import KVManager
+from .lifecycle import RequestCounters
+from .loader import LoadedModel
+
+
+def engine_stats(
+    loaded: LoadedModel, kv: KVManager, requests: RequestCounters, handles_live: int, ste: Mapping[str, float]
+) -> Stats:
+    pool = kv.pool
+    bpb = pool.shape.bytes_per_block
+    cached = kv.cache.cached_blocks() if kv.cache is not None else set()
+    return Stats(
+        model=loaded.name,
+        device=str(pool.device),
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        block_size=pool.block_size,
+        blocks_total=pool.num_blocks,
+        blocks_used=pool.num_used,
+        blocks_free=pool.num_free,
+        bytes_per_block=bpb,
+        pool_bytes_total=pool.num_blocks * bpb,
+        pool_bytes_used=pool.num_used * bpb,
+        pool_bytes_free=pool.num_free * bpb,
+        handles_live=handles_live,
+        tokens_reused=requests.tokens_reused,
+        tokens_prefilled=requests.tokens_prefilled,
+        tokens_generated=requests.tokens_generated,
+        # Blocks referenced by more than one handle or request (the cache's own reference aside).
+        blocks_shared=sum(1 for b in range(pool.num_blocks) if pool.refcount(b) - (b in cached) > 1),
+        blocks_cached=len(cached),
+        blocks_cache_only=sum(1 for b in cached if pool.refcount(b) == 1),
+        cache=_cache_stats(kv, ste),
+        agents={
+            a: AgentStats(requests=len(t), ttft_mean_s=sum(t) / len(t), ttft_p90_s=_p90(t))
+            for a, t in requests.ttft.items()
+        },
+    )
+
+
+def _cache_stats(kv: KVManager, ste: Mapping[str, float]) -> CacheStats | None:
+    cache = kv.cache
+    if cache is None:
+        return None
+    counters, bpb = kv.counters, kv.pool.shape.bytes_per_block
+    prefetched = counters.prefetched
+    return CacheStats(
+        policy=cache.policy.name,
+        tiers=[t.name for t in cache.tiers],
+        hits_blocks=dict(counters.hits),
+        nodes_on_device=cache.device_nodes,
+        nodes_per_tier={t.name: cache.nodes_in_tier(i) for i, t in enumerate(cache.tiers)},
+        bytes_offloaded=cache.bytes_offloaded,
+        bytes_prefetched=prefetched * bpb,
+        bytes_loaded_on_demand=counters.loaded_on_demand * bpb,
+        blocks_prefetched=prefetched,
+        prefetch_hits=counters.prefetch_hits,
+        prefetch_hit_rate=counters.prefetch_hits / prefetched if prefetched else 0.0,
+        tier_errors=cache.tier_errors,
+        steps_to_execution=dict(ste),
+    )
+
+
+def _p90(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
