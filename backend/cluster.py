@@ -33,23 +33,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbaton.capabilities import KVBATON, Capabilities
-from kvbaton.errors import (
-    HandleNotFound,
-    HandleReleased,
-    IncompatibleHandle,
-    InvalidRequest,
-    KvbatonError,
-    ServerError,
-)
-from kvbaton.handle import Handle, LineageStep, Op, Placement
+from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, InvalidRequest, KvbatonError, ServerError
+from kvbaton.handle import Handle, LineageStep, Op, Placement, Segment
+from kvbaton.ops import Context, HandleLike, Messages, ste_map
 from kvbaton.stream import TokenStream
 from kvbaton.types import (
     AgentInfo,
@@ -64,6 +57,7 @@ from kvbaton.types import (
 )
 
 from .costmodel import Calibration, CostModel, fit_line, load_cached, store_cached
+from .handles import HandleTable, Identity
 from .loader import cache_dir
 from .placement import Placer
 from .worker import (
@@ -81,7 +75,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STARTUP_TIMEOUT_S = 600.0
-_RELEASED_MEMORY = 1_000_000
 PROBE_PREFILL_TOKENS = (32, 256)
 
 
@@ -94,6 +87,17 @@ class ModelInfo:
     tokenizer_fingerprint: str
     max_context: int
     vocab_size: int
+
+
+@dataclass(eq=False)
+class _Placed:
+    """A live handle of the cluster: its latest metadata (lineage included), the worker holding its
+    KV (None: lost with its worker, recomputed from lineage on next use), and the lock serializing
+    moves of it."""
+
+    meta: Handle
+    rank: int | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -153,10 +157,7 @@ class Cluster:
         self.retries = 0
         self._lock = threading.RLock()
         self._transfer_lock = threading.Lock()
-        self._handles: dict[str, Handle] = {}
-        self._where: dict[str, int | None] = {}
-        self._hlocks: dict[str, threading.Lock] = {}
-        self._released: OrderedDict[str, None] = OrderedDict()
+        self._table: HandleTable[_Placed] = HandleTable()  # its identity is known once the workers joined
         self._procs: list[subprocess.Popen[bytes]] = []
         self.workers: list[WorkerClient] = []
         # Single node: a fresh secret per cluster, handed to the workers we start (nobody else can
@@ -184,6 +185,7 @@ class Cluster:
             tokenizer_fingerprint=first.get("tokenizer_fingerprint", ""),
             max_context=first["max_context"], vocab_size=first["vocab_size"],
         )
+        self._table.identity = Identity(model=self.loaded.name, fingerprint=self.loaded.fingerprint, where="this server")
         self.block_size: int = first["block_size"]
         self.bytes_per_block: int = first["bytes_per_block"]
         path = cache_dir() / "calibration.json" if calibration_cache == "default" else (
@@ -334,9 +336,9 @@ class Cluster:
 
     def _worker_lost(self, worker: WorkerClient) -> None:
         with self._lock:
-            lost = [hid for hid, r in self._where.items() if r == worker.rank]
-            for hid in lost:
-                self._where[hid] = None
+            lost = [placed for placed in self._table.states() if placed.rank == worker.rank]
+            for placed in lost:
+                placed.rank = None
         self.placer.forget_worker(worker.rank)
         log.error("worker %d lost: %d handles will be recomputed from lineage on next use", worker.rank, len(lost))
 
@@ -368,36 +370,20 @@ class Cluster:
             return fa.result(), fb.result()
 
     # -- handle bookkeeping ---------------------------------------------------------------------
-    def _hid(self, handle: Handle | str) -> str:
-        if isinstance(handle, Handle):
-            lm = self.loaded
-            if handle.model_fingerprint != lm.fingerprint:
-                raise IncompatibleHandle(
-                    f"handle {handle.id} was made by model {handle.model!r} (fingerprint {handle.model_fingerprint}); "
-                    f"this server runs {lm.name!r} (fingerprint {lm.fingerprint})"
-                )
-            return handle.id
-        if isinstance(handle, str):
-            return handle
-        raise InvalidRequest(f"expected a Handle or a handle id, got {type(handle).__name__}")
+    def _hid(self, handle: HandleLike) -> str:
+        return self._table.id_of(handle)
 
-    def _known(self, hid: str) -> None:
-        with self._lock:
-            if hid in self._handles:
-                return
-            if hid in self._released:
-                raise HandleReleased(f"handle {hid} was released")
-        raise HandleNotFound(f"no handle {hid} in this engine")
-
-    def _hlock(self, hid: str) -> threading.Lock:
-        with self._lock:
-            return self._hlocks.setdefault(hid, threading.Lock())
+    def _known(self, hid: str) -> _Placed:
+        return self._table.get(hid)
 
     def _record(self, rank: int, handles: Iterable[Handle]) -> None:
         with self._lock:
             for h in handles:
-                self._handles[h.id] = h
-                self._where[h.id] = rank
+                placed = self._table.find(h.id)
+                if placed is None:
+                    self._table.add(h.id, _Placed(h, rank))
+                else:  # moved: same handle (and lock), new metadata and worker
+                    placed.meta, placed.rank = h, rank
         for h in handles:
             self.placer.remember(rank, h.token_ids())
 
@@ -406,11 +392,10 @@ class Cluster:
         recomputing it there first when placement says so), retrying when a worker dies."""
         hid = self._hid(handle)
         for _ in range(len(self.workers) + 1):
-            self._known(hid)
-            with self._hlock(hid):
-                self._known(hid)
+            with self._known(hid).lock:
+                placed = self._known(hid)
                 with self._lock:
-                    rank = self._where[hid]
+                    rank = placed.rank
                 holder = self.workers[rank] if rank is not None else None
                 target = self.placer.for_handle(holder, self.workers)
                 try:
@@ -438,7 +423,7 @@ class Cluster:
     ) -> Handle:
         """Bring ``hid`` to ``dst`` by transfer or recompute (handle lock held). ``method`` forces
         one ("transfer" / "recompute") instead of the cost model's choice (benchmarks)."""
-        meta = self._handles[hid]
+        meta = self._known(hid).meta
         tokens = meta.num_tokens
         nbytes = -(-tokens // self.block_size) * self.bytes_per_block
         moved = meta.model_copy(update={
@@ -542,11 +527,10 @@ class Cluster:
         hid = self._hid(handle)
         dst = self._worker(device)
         for _ in range(len(self.workers) + 1):
-            self._known(hid)
-            with self._hlock(hid):
+            placed = self._known(hid)
+            with placed.lock:
                 with self._lock:
-                    rank = self._where[hid]
-                    current = self._handles[hid]
+                    rank, current = placed.rank, placed.meta
                 holder = self.workers[rank] if rank is not None else None
                 if holder is dst:
                     return current
@@ -564,17 +548,14 @@ class Cluster:
         others are brought there first (transfer or recompute, as the cost model says)."""
         hids = sorted({self._hid(h) for h in handles})
         for _ in range(len(self.workers) + 1):
-            for hid in hids:
-                self._known(hid)
-            locks = [self._hlock(hid) for hid in hids]
+            locks = [self._known(hid).lock for hid in hids]
             for lock in locks:  # sorted ids: a fixed order, so two such calls cannot deadlock
                 lock.acquire()
             try:
-                for hid in hids:
-                    self._known(hid)
+                placed = {hid: self._known(hid) for hid in hids}
                 with self._lock:
-                    where = {hid: self._where[hid] for hid in hids}
-                    sizes = {hid: self._handles[hid].num_tokens for hid in hids}
+                    where = {hid: p.rank for hid, p in placed.items()}
+                    sizes = {hid: p.meta.num_tokens for hid, p in placed.items()}
                 held: dict[int, int] = {}
                 for hid, rank in where.items():
                     if rank is not None and self.workers[rank].alive:
@@ -595,8 +576,10 @@ class Cluster:
                     lock.release()
         raise ServerError("no worker could serve the request")
 
-    def compose(self, prefix: Any = None, segments: Sequence[Any] = (), suffix: Any = None, *,
-                agent: str | None = None, mode: str = "auto", correction: Any = None) -> Composition:
+    def compose(self, prefix: Handle | Context | None = None, segments: Sequence[Segment | Handle] = (),
+                suffix: Context | None = None, *, agent: str | None = None, mode: str = "auto",
+                correction: Mapping[str, Any] | None = None) -> Composition:
+        correction = _plain(correction)
         refs = [s if isinstance(s, Handle) else s.handle for s in segments]
         if isinstance(prefix, Handle):
             refs.append(prefix)
@@ -609,8 +592,9 @@ class Cluster:
 
         return self._on_handles(refs, run)
 
-    def merge(self, parts: Sequence[Any], *, agent: str | None = None, mode: str = "auto",
-              correction: Any = None) -> Composition:
+    def merge(self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+              correction: Mapping[str, Any] | None = None) -> Composition:
+        correction = _plain(correction)
         refs = [p if isinstance(p, Handle) else p.handle for p in parts]
 
         def run(w: WorkerClient) -> Composition:
@@ -626,11 +610,10 @@ class Cluster:
             "fidelity", self._hid(handle), max_tokens, reference=None if reference is None else self._hid(reference)
         ))
 
-    def describe(self, handle: Handle | str) -> Handle:
-        hid = self._hid(handle)
-        self._known(hid)
+    def describe(self, handle: HandleLike) -> Handle:
+        placed = self._known(self._hid(handle))
         with self._lock:
-            return self._handles[hid]
+            return placed.meta
 
     def resume(self, handle: Handle | str, suffix: Any = "", sampling: SamplingParams | None = None, *,
                agent: str | None = None) -> Result:
@@ -716,23 +699,11 @@ class Cluster:
         return TokenStream(chunks())
 
     def release(self, handles: Handle | str | Iterable[Handle | str]) -> None:
-        items = [handles] if isinstance(handles, Handle | str) else list(handles)
-        hids = [self._hid(h) for h in items]
-        for hid in hids:  # all or nothing
-            self._known(hid)
-        if len(set(hids)) != len(hids):
-            raise InvalidRequest("the same handle is listed twice")
         by_worker: dict[int, list[str]] = {}
         with self._lock:
-            for hid in hids:
-                rank = self._where.pop(hid, None)
-                self._handles.pop(hid, None)
-                self._hlocks.pop(hid, None)
-                self._released[hid] = None
-                if len(self._released) > _RELEASED_MEMORY:
-                    self._released.popitem(last=False)
-                if rank is not None:
-                    by_worker.setdefault(rank, []).append(hid)
+            for hid, placed in self._table.release(handles):  # all or nothing
+                if placed.rank is not None:
+                    by_worker.setdefault(placed.rank, []).append(hid)
         for rank, ids in by_worker.items():
             worker = self.workers[rank]
             if worker.alive:
@@ -769,11 +740,10 @@ class Cluster:
         info: AgentInfo = self._broadcast("register_agent", name, fixed_prompt, prefill=prefill)
         return info
 
-    def hints(self, steps: Any, running: Iterable[str] = (), finished: Iterable[str] = ()) -> dict[str, float]:
-        if hasattr(steps, "steps_to_execution"):
-            steps = dict(steps.steps_to_execution(running=tuple(running), finished=tuple(finished)))
-            running = ()
-        result: dict[str, float] = self._broadcast("hints", steps, running=tuple(running))
+    def hints(
+        self, steps: Mapping[str, float] | Any, *, running: Iterable[str] = (), finished: Iterable[str] = ()
+    ) -> dict[str, float]:
+        result: dict[str, float] = self._broadcast("hints", ste_map(steps, running, finished))
         return result
 
     def flush_cache(self) -> None:
@@ -791,9 +761,9 @@ class Cluster:
             raise ServerError("every worker is down")
         with self._lock:
             held = {w.rank: 0 for w in self.workers}
-            for rank in self._where.values():
-                if rank is not None:
-                    held[rank] += 1
+            for placed in self._table.states():
+                if placed.rank is not None:
+                    held[placed.rank] += 1
         cal = self.costs.calibration
         cluster = ClusterStats(
             workers=[
@@ -827,7 +797,7 @@ class Cluster:
                 "pool_bytes_total", "pool_bytes_used", "pool_bytes_free", "tokens_reused", "tokens_prefilled",
                 "tokens_generated",
             )},
-            handles_live=len(self._handles), agents=agents, cluster=cluster,
+            handles_live=len(self._table), agents=agents, cluster=cluster,
         )
 
     def kill_worker(self, rank: int) -> None:
@@ -853,3 +823,8 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _plain(correction: Mapping[str, Any] | None) -> Any:
+    """A correction mapping as a plain dict, which pickles to the worker whatever mapping it was."""
+    return dict(correction) if isinstance(correction, Mapping) else correction
