@@ -90,7 +90,17 @@ class Composer:
         suffix: Context | None = None, *, agent: str | None = None, mode: str = "auto",
         correction: CorrectionConfig | Mapping[str, Any] | None = None,
     ) -> Composition:
-        """See :meth:`kvbaton.backend.Engine.compose`."""
+        """Assemble ``prefix + segments + suffix`` from existing K/V, prefilling only what must be.
+
+        ``prefix`` is a handle (its K/V are shared, zero copy), text or token ids; each segment is a
+        :class:`~kvbaton.Segment` (or a whole handle) whose K/V are reused: exactly when the tokens before
+        it are the same as in its source, otherwise re-aligned to the new positions and, in ``mode="auto"``,
+        corrected for the new context by the anchor pool or recomputed densely when the gate is unsure.
+        ``mode="rotate"`` re-aligns without correction (an explicit approximation); ``mode="dense"``
+        recomputes every segment that is not exact. Approximate results are flagged (``exact=False`` on
+        the handle) and never enter the prefix cache. ``correction`` overrides the engine's anchor-pool
+        settings for this call (each distinct setting keeps its own pools).
+        """
         t0 = time.perf_counter()
         if mode not in ("auto", "rotate", "dense"):
             raise InvalidRequest(f"mode must be 'auto', 'rotate' or 'dense', got {mode!r}")
@@ -261,7 +271,12 @@ class Composer:
         self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
         correction: CorrectionConfig | Mapping[str, Any] | None = None,
     ) -> Composition:
-        """See :meth:`kvbaton.backend.Engine.merge`."""
+        """Restricted merge: never blends divergent K/V of the same positions.
+
+        Whole handles must be prefix-compatible (each a prefix of the longest, which is the result);
+        segments are concatenated through :meth:`compose` and must not overlap in a common source.
+        Text-level reduction is an ordinary ``generate`` call over the parts' texts.
+        """
         items = list(parts)
         if not items:
             raise InvalidRequest("merge needs at least one handle or segment")
@@ -303,7 +318,11 @@ class Composer:
 
     # -- fidelity ---------------------------------------------------------------------------------
     def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
-        """See :meth:`kvbaton.backend.Engine.fidelity`."""
+        """Compare a handle's continuation with dense prefill of the same tokens (greedy; KL along dense).
+
+        The dense side is a fresh prefill that bypasses the prefix cache, or ``reference``: an exact handle
+        of the same tokens (its continuation is remembered, so several candidates compare cheaply).
+        """
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 4096:
             raise InvalidRequest("max_tokens must be an integer in 1..4096")
         with self._lock:

@@ -25,28 +25,26 @@ import torch
 from kvbaton.capabilities import KVBATON, Capabilities
 from kvbaton.errors import InvalidRequest
 from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, Segment, common_prefix_length
-from kvbaton.ops import check_agent, ste_map
+from kvbaton.ops import Messages, check_agent, ste_map
 from kvbaton.stream import TokenStream
-from kvbaton.types import AgentInfo, ChatMessage, Composition, Fidelity, Result, SamplingParams, Stats
+from kvbaton.types import AgentInfo, Composition, Fidelity, Result, SamplingParams, Stats
 
 from .attention import ATTN_IMPLEMENTATION
 from .block_pool import BlockPool, PoolShape, blocks_for_budget
 from .compose import Composer, correction_config
 from .correction import AnchorPool, CorrectionConfig
-from .eviction import EvictionPolicy, make_policy
+from .eviction import EvictionPolicy
 from .handles import HandleTable, Identity
 from .inputs import Context, Inputs
-from .kv_manager import KVManager
+from .kv_manager import KVManager, prefix_cache_for
 from .lifecycle import Lifecycle
-from .loader import LoadedModel, cache_dir, load_model
+from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner
 from .prefetch import Prefetcher
-from .radix import RadixCache
 from .rotary import RopeShifter
 from .scheduler import Scheduler
 from .sequence import KVState
 from .stats import engine_stats
-from .tiers import make_tier
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +56,6 @@ DEFAULT_LOOKAHEAD = 2
 MAX_FORK = 1024
 
 HandleLike = Handle | str
-Messages = Sequence[ChatMessage | dict[str, Any]]
 
 
 class Engine:
@@ -105,14 +102,10 @@ class Engine:
         self.shifter = RopeShifter.from_model(lm.model, lm.rope_type, lm.rope_parameters)
         self._lock = threading.RLock()
         self._ste: dict[str, float] = {}  # the agents' steps-to-execution, read live by the eviction policies
-        self.cache: RadixCache | None = None
-        self.prefetcher: Prefetcher | None = None
-        if prefix_cache:
-            policy = eviction if isinstance(eviction, EvictionPolicy) else make_policy(eviction, self._ste)
-            slow = [make_tier(t, shape.bytes_per_block, lm.device, cache_dir() / "tiers") for t in tiers]
-            tier_policy = make_policy(tier_eviction, self._ste) if tier_eviction else None
-            self.cache = RadixCache(self.pool, policy, slow, tier_policy)
+        self.cache = prefix_cache_for(self.pool, self._ste, eviction, tiers, tier_eviction) if prefix_cache else None
+        if self.cache is not None:
             weakref.finalize(self, self.cache.close)  # removes disk-tier files
+        self.prefetcher: Prefetcher | None = None
         self.kv = KVManager(self.pool, self.cache, self._lock)
         if self.cache is not None and self.cache.tiers and prefetch:
             self.prefetcher = Prefetcher(self.kv, self._ste)
@@ -248,37 +241,18 @@ class Engine:
         suffix: Context | None = None, *, agent: str | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
-        """Assemble ``prefix + segments + suffix`` from existing K/V, prefilling only what must be.
-
-        ``prefix`` is a handle (its K/V are shared, zero copy), text or token ids; each segment is a
-        :class:`~kvbaton.Segment` (or a whole handle) whose K/V are reused: exactly when the tokens before
-        it are the same as in its source, otherwise re-aligned to the new positions and, in ``mode="auto"``,
-        corrected for the new context by the anchor pool or recomputed densely when the gate is unsure.
-        ``mode="rotate"`` re-aligns without correction (an explicit approximation); ``mode="dense"``
-        recomputes every segment that is not exact. Approximate results are flagged (``exact=False`` on
-        the handle) and never enter the prefix cache. ``correction`` overrides the engine's anchor-pool
-        settings for this call (each distinct setting keeps its own pools).
-        """
+        """Assemble ``prefix + segments + suffix`` from existing K/V (see :meth:`.compose.Composer.compose`)."""
         return self.composer.compose(prefix, segments, suffix, agent=agent, mode=mode, correction=correction)
 
     def merge(
         self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
-        """Restricted merge: never blends divergent K/V of the same positions.
-
-        Whole handles must be prefix-compatible (each a prefix of the longest, which is the result);
-        segments are concatenated through :meth:`compose` and must not overlap in a common source.
-        Text-level reduction is an ordinary ``generate`` call over the parts' texts.
-        """
+        """Restricted merge: never blends divergent K/V of the same positions (see :meth:`.compose.Composer.merge`)."""
         return self.composer.merge(parts, agent=agent, mode=mode, correction=correction)
 
     def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
-        """Compare a handle's continuation with dense prefill of the same tokens (greedy; KL along dense).
-
-        The dense side is a fresh prefill that bypasses the prefix cache, or ``reference``: an exact handle
-        of the same tokens (its continuation is remembered, so several candidates compare cheaply).
-        """
+        """A handle's continuation against dense prefill of its tokens (see :meth:`.compose.Composer.fidelity`)."""
         return self.composer.fidelity(handle, max_tokens, reference=reference)
 
     def anchor_pool(self, correction: CorrectionConfig | Mapping[str, Any] | None = None) -> AnchorPool:
@@ -386,16 +360,7 @@ class Engine:
         if not handle.exact:
             state.exact_len = 0  # approximate K/V (compose) stay out of the prefix cache wherever they go
         try:
-            self.kv.reserve(state, num_cached)
-            count = 0
-            for i, (k, v) in enumerate(kv):
-                if i >= len(state.blocks):
-                    raise InvalidRequest(f"more KV blocks than {num_cached} tokens need")
-                self.kv.write_block(state, i, k, v)
-                count += 1
-            if count != len(state.blocks):
-                raise InvalidRequest(f"got {count} KV blocks, {num_cached} tokens need {len(state.blocks)}")
-            state.num_cached = num_cached
+            self.kv.fill(state, kv, num_cached)
             return self.requests.register(state)
         except BaseException:
             self.requests.abandon(state)

@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from kvbaton.errors import PoolExhausted
+from kvbaton.errors import InvalidRequest, PoolExhausted
 from kvbaton.handle import LineageStep, new_handle_id
 
 from .block_pool import BlockPool
+from .eviction import EvictionPolicy, make_policy
+from .loader import cache_dir
 from .radix import NodeState, RadixCache, RadixNode
 from .sequence import KVState
-from .tiers import TierDataError
+from .tiers import TierDataError, make_tier
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +165,19 @@ class KVManager:
         k, v = self.read_rows(src, start, n)
         self.write_rows(dst, offset, k, v)
 
-    def write_block(self, state: KVState, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Fill the state's reserved block ``index`` with a whole block of K/V (from another engine)."""
-        self.pool.write_block(state.blocks[index], k.to(self.pool.device), v.to(self.pool.device))
+    def fill(self, state: KVState, blocks: Iterable[tuple[torch.Tensor, torch.Tensor]], num_cached: int) -> None:
+        """Give a fresh state the K/V of its first ``num_cached`` tokens, whole blocks in order, as
+        :meth:`export` yields them (from another engine of the same model)."""
+        self.reserve(state, num_cached)
+        count = 0
+        for i, (k, v) in enumerate(blocks):
+            if i >= len(state.blocks):
+                raise InvalidRequest(f"more KV blocks than {num_cached} tokens need")
+            self.pool.write_block(state.blocks[i], k.to(self.pool.device), v.to(self.pool.device))
+            count += 1
+        if count != len(state.blocks):
+            raise InvalidRequest(f"got {count} KV blocks, {num_cached} tokens need {len(state.blocks)}")
+        state.num_cached = num_cached
 
     # -- the prefix cache ---------------------------------------------------------------------
     def insert(self, state: KVState) -> None:
@@ -269,6 +281,18 @@ class KVManager:
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+
+def prefix_cache_for(
+    pool: BlockPool, ste: Mapping[str, float], eviction: str | EvictionPolicy = "ste", tiers: Sequence[str] = (),
+    tier_eviction: str | None = None,
+) -> RadixCache:
+    """The radix cache over ``pool``, its eviction policies reading the live steps-to-execution ``ste``,
+    with the slow ``tiers`` (names such as ``"cpu:1GiB"``) behind it."""
+    policy = eviction if isinstance(eviction, EvictionPolicy) else make_policy(eviction, ste)
+    slow = [make_tier(t, pool.shape.bytes_per_block, pool.device, cache_dir() / "tiers") for t in tiers]
+    tier_policy = make_policy(tier_eviction, ste) if tier_eviction else None
+    return RadixCache(pool, policy, slow, tier_policy)
 
 
 def _on_device(path: Sequence[RadixNode]) -> list[RadixNode]:
