@@ -1,7 +1,6 @@
 """The coordinator of a multi-device server: one worker process per device, one engine interface.
 
-:class:`Cluster` offers the :class:`~kvbaton.backend.Engine` methods the server and the embedded
-client use (``materialize``, ``resume_stream``, ``release``, ``stats``...), so ``kvbaton serve
+:class:`Cluster` implements :class:`kvbaton.ops.EngineOps` as :class:`~kvbaton.backend.Engine` does, so ``kvbaton serve
 --devices cpu,cpu`` and ``EmbeddedClient(engine=Cluster(...))`` work unchanged. It keeps, for every
 handle, its latest metadata (lineage included) and the worker holding its KV, and:
 
@@ -16,66 +15,48 @@ handle, its latest metadata (lineage included) and the worker holding its KV, an
   that lived only there are recomputed from their lineage on next use.
 
 A dead worker is not restarted (the process group cannot take a new member); the cluster goes on
-with the others.
+with the others. Start-up lives in :mod:`.rendezvous`, the measurements for the cost model in
+:mod:`.calibration`, a handle's move in :mod:`.moves`, streams that outlive their worker in
+:mod:`.failover`; the handles in a shared :class:`~.handles.HandleTable`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import ipaddress
 import json
 import logging
 import os
-import queue
 import secrets
-import socket
 import subprocess
-import sys
 import threading
-import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbaton.capabilities import KVBATON, Capabilities
-from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, InvalidRequest, KvbatonError, ServerError
-from kvbaton.handle import Handle, LineageStep, Op, Placement, Segment
-from kvbaton.ops import Context, HandleLike, Messages, ste_map
+from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, InvalidRequest, ServerError
+from kvbaton.handle import Handle, Segment
+from kvbaton.ops import Context, HandleLike, ste_map
 from kvbaton.stream import TokenStream
-from kvbaton.types import (
-    AgentInfo,
-    ClusterStats,
-    Composition,
-    PlacementDecision,
-    Result,
-    SamplingParams,
-    Stats,
-    StreamChunk,
-    WorkerStats,
-)
+from kvbaton.types import AgentInfo, Composition, Result, SamplingParams, Stats, StreamChunk
 
-from .costmodel import Calibration, CostModel, fit_line, load_cached, store_cached
+from .calibration import measure_call_overhead, measure_link, measure_prefill
+from .costmodel import Calibration, CostModel, load_cached, store_cached
+from .failover import failover_stream
 from .handles import HandleTable, Identity
 from .loader import cache_dir
+from .moves import Mover
 from .placement import Placer
-from .worker import (
-    CLUSTER_KEY_ENV,
-    DEFAULT_CLUSTER_KEY,
-    DIST_BACKEND_ENV,
-    WorkerClient,
-    WorkerLost,
-    cluster_key,
-    default_backend,
-)
+from .rendezvous import accept_workers, free_port, is_loopback, start_local_workers
+from .stats import cluster_stats
+from .worker import CLUSTER_KEY_ENV, DEFAULT_CLUSTER_KEY, WorkerClient, WorkerLost, cluster_key
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 STARTUP_TIMEOUT_S = 600.0
-PROBE_PREFILL_TOKENS = (32, 256)
 
 
 @dataclass(frozen=True)
@@ -98,19 +79,6 @@ class _Placed:
     meta: Handle
     rank: int | None
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 class Cluster:
@@ -143,7 +111,7 @@ class Cluster:
         if world < len(devices):
             raise InvalidRequest(f"world size {world} is smaller than the {len(devices)} local devices")
         addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        if not _is_loopback(addr) and os.environ.get(CLUSTER_KEY_ENV, DEFAULT_CLUSTER_KEY) == DEFAULT_CLUSTER_KEY:
+        if not is_loopback(addr) and os.environ.get(CLUSTER_KEY_ENV, DEFAULT_CLUSTER_KEY) == DEFAULT_CLUSTER_KEY:
             raise InvalidRequest(f"a multi-node cluster needs a shared secret in ${CLUSTER_KEY_ENV} on every node")
         port = master_port or int(os.environ.get("MASTER_PORT") or 0) or free_port()
         ctl = control_port or int(os.environ.get("KVBATON_CONTROL_PORT") or 0) or (port + 1 if world > len(devices) else free_port())
@@ -166,8 +134,11 @@ class Cluster:
         self._key = secrets.token_hex(16).encode() if local else cluster_key()
         self._listener = Listener(self.control, authkey=self._key)
         try:
-            self._start_local(model, engine_options or {}, worker_log_level, worker_threads)
-            self._accept(startup_timeout)
+            self._procs = start_local_workers(
+                devices, world, self.master, self.control, self._key, model=model, engine_options=engine_options or {},
+                log_level=worker_log_level, threads=worker_threads, bandwidth_cap=bandwidth_cap,
+            )
+            self.workers = accept_workers(self._listener, self._procs, world, startup_timeout, self._worker_lost)
         except BaseException:
             self.close()
             raise
@@ -188,6 +159,7 @@ class Cluster:
         self._table.identity = Identity(model=self.loaded.name, fingerprint=self.loaded.fingerprint, where="this server")
         self.block_size: int = first["block_size"]
         self.bytes_per_block: int = first["bytes_per_block"]
+        self._mover = Mover(self.costs, self._transfer_lock, self.block_size, self.bytes_per_block)
         path = cache_dir() / "calibration.json" if calibration_cache == "default" else (
             Path(calibration_cache) if calibration_cache else None
         )
@@ -205,62 +177,6 @@ class Cluster:
         """Every worker runs kvbaton's own engine."""
         return KVBATON
 
-    # -- startup ------------------------------------------------------------------------------
-    def _start_local(
-        self, model: str | None, engine_options: dict[str, Any], log_level: str, threads: int | None
-    ) -> None:
-        env = {**os.environ, "MASTER_ADDR": self.master[0], "MASTER_PORT": str(self.master[1]),
-               CLUSTER_KEY_ENV: self._key.decode()}
-        if threads:  # CPU workers sharing one machine: keep their OpenMP pools from oversubscribing it
-            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-        for rank, device in enumerate(self.devices):
-            cmd = [
-                sys.executable, "-m", "kvbaton.backend.worker", "--rank", str(rank), "--world-size",
-                str(self.world_size), "--device", device, "--control", f"{self.control[0]}:{self.control[1]}",
-                "--engine-options", json.dumps(engine_options), "--log-level", log_level,
-            ]
-            if model is not None:
-                cmd += ["--model", model]
-            if self.bandwidth_cap:
-                cmd += ["--bandwidth-cap", str(self.bandwidth_cap)]
-            if self.world_size == len(self.devices) and not os.environ.get(DIST_BACKEND_ENV):
-                cmd += ["--backend", default_backend(self.devices)]
-            self._procs.append(subprocess.Popen(cmd, env=env))
-
-    def _accept(self, timeout: float) -> None:
-        arrivals: queue.Queue[Any] = queue.Queue()
-
-        def accept() -> None:
-            for _ in range(self.world_size):
-                try:
-                    conn = self._listener.accept()
-                    arrivals.put((conn, conn.recv()))
-                except Exception as exc:  # noqa: BLE001 - closed listener or a peer without the key
-                    arrivals.put(exc)
-                    return
-
-        threading.Thread(target=accept, name="kvbaton-cluster-accept", daemon=True).start()
-        deadline = time.monotonic() + timeout
-        joined: dict[int, WorkerClient] = {}
-        while len(joined) < self.world_size:
-            for proc in self._procs:
-                if proc.poll() is not None:
-                    raise ServerError(f"a worker process exited during startup (code {proc.returncode})")
-            try:
-                item = arrivals.get(timeout=0.5)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise ServerError(f"only {len(joined)} of {self.world_size} workers joined in {timeout:.0f} s")
-                continue
-            if isinstance(item, Exception):
-                raise ServerError(f"worker rendezvous failed: {item}")
-            conn, (kind, hello) = item
-            if kind != "hello" or hello["rank"] in joined or not 0 <= hello["rank"] < self.world_size:
-                raise ServerError(f"unexpected worker greeting {kind!r} {hello!r}")
-            joined[hello["rank"]] = WorkerClient(conn, hello, self._worker_lost)
-            log.info("worker %d joined: %s on %s (pid %s)", hello["rank"], hello["device"], hello["host"], hello["pid"])
-        self.workers = [joined[r] for r in range(self.world_size)]
-
     # -- calibration ----------------------------------------------------------------------------
     def _calibration_key(self) -> str:
         return json.dumps({
@@ -277,20 +193,8 @@ class Cluster:
             self.costs.calibration = cached
             return cached
         latency, bandwidth = self._measure_link()
-        start = time.perf_counter()
-        for _ in range(3):
-            self.workers[0].call("ping")
-        overhead = (time.perf_counter() - start) / 3
-        fixed: dict[int, float] = {}
-        per_token: dict[int, float] = {}
-        for w in self.live_workers():
-            w.call("probe_prefill", 8, seed=w.rank)  # warm-up
-            points = []
-            for i, n in enumerate(PROBE_PREFILL_TOKENS):
-                t0 = time.perf_counter()
-                w.call("probe_prefill", n, seed=1000 * (w.rank + 1) + i + int(time.time()))
-                points.append((float(n), time.perf_counter() - t0))
-            fixed[w.rank], per_token[w.rank] = fit_line(points)
+        overhead = measure_call_overhead(self.workers[0])
+        fixed, per_token = measure_prefill(self.live_workers())
         cal = Calibration(latency, bandwidth, overhead, fixed, per_token)
         self.costs.calibration = cal
         store_cached(self._calibration_path, key, cal)
@@ -300,21 +204,7 @@ class Cluster:
 
     def _measure_link(self) -> tuple[float, float]:
         live = self.live_workers()
-        src, dst = live[0], live[1]
-        big = int(min(32 * 2**20, self.bandwidth_cap * 0.3)) if self.bandwidth_cap else 32 * 2**20
-        big = max(big, self.bytes_per_block)
-
-        def probe(nbytes: int) -> float:
-            with self._transfer_lock:
-                t0 = time.perf_counter()
-                self._both(lambda: src.call("send_probe", nbytes, dst.rank), lambda: dst.call("recv_probe", nbytes, src.rank))
-                return time.perf_counter() - t0
-
-        probe(1)  # connection set-up happens on first use
-        small = sorted(probe(1) for _ in range(3))[1]
-        large = min(probe(big) for _ in range(2))
-        bandwidth = (big - 1) / max(large - small, 1e-6)
-        return small, bandwidth
+        return measure_link(live[0], live[1], self._transfer_lock, self.bandwidth_cap, self.bytes_per_block)
 
     def set_bandwidth_cap(self, cap: float | None) -> Calibration:
         """Pace KV sends at ``cap`` bytes/s (None: unpaced) and re-measure the link (tests, benchmarks)."""
@@ -362,12 +252,6 @@ class Cluster:
         if not worker.alive:
             raise InvalidRequest(f"worker {worker.rank} ({worker.device}) is down")
         return worker
-
-    @staticmethod
-    def _both(a: Callable[[], Any], b: Callable[[], Any]) -> tuple[Any, Any]:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            fa, fb = pool.submit(a), pool.submit(b)
-            return fa.result(), fb.result()
 
     # -- handle bookkeeping ---------------------------------------------------------------------
     def _hid(self, handle: HandleLike) -> str:
@@ -421,70 +305,10 @@ class Cluster:
     def _move(
         self, hid: str, src: WorkerClient | None, dst: WorkerClient, reason: str, method: str = "auto"
     ) -> Handle:
-        """Bring ``hid`` to ``dst`` by transfer or recompute (handle lock held). ``method`` forces
-        one ("transfer" / "recompute") instead of the cost model's choice (benchmarks)."""
-        meta = self._known(hid).meta
-        tokens = meta.num_tokens
-        nbytes = -(-tokens // self.block_size) * self.bytes_per_block
-        moved = meta.model_copy(update={
-            "lineage": meta.lineage + (LineageStep(op=Op.TRANSFER, parent=hid),),
-            "placement": Placement(device=dst.device, worker=dst.rank),
-        })
-        if src is not None and src.alive:
-            cached = self._cached_on(dst, meta) if method == "auto" else 0
-            choice, predicted_transfer, predicted_recompute = self.costs.choose(dst.rank, tokens, nbytes, cached)
-            if method != "auto":
-                choice = method
-        else:
-            choice, predicted_transfer = "recompute", None
-            predicted_recompute = self.costs.predict_recompute(dst.rank, tokens - self._cached_on(dst, meta))
-        start = time.perf_counter()
-        new: Handle | None = None
-        if choice == "transfer":
-            assert src is not None
-            try:
-                with self._transfer_lock:
-                    _, new = self._both(
-                        lambda: src.call("send_handle", hid, dst.rank),
-                        lambda: dst.call("recv_handle", moved, src.rank),
-                    )
-            except WorkerLost:
-                if not dst.alive:
-                    raise
-                choice = "recompute"  # the source died mid-transfer: its KV is gone, the lineage is not
-                log.warning("transfer of %s from worker %d failed; recomputing on %d", hid[:8], src.rank, dst.rank)
-            except KvbatonError as exc:
-                log.warning("transfer of %s failed (%s); recomputing on worker %d", hid[:8], exc, dst.rank)
-                choice = "recompute"
-                # the receiver may have adopted it before the sender's release failed, or not at all
-                try:
-                    dst.call("release", hid)
-                except KvbatonError:
-                    pass
-        if choice == "recompute":
-            new = dst.call("adopt", moved)
-            if src is not None and src.alive:
-                try:
-                    src.call("release", hid)
-                except (KvbatonError, WorkerLost):
-                    pass
-        assert new is not None
-        self.costs.record(PlacementDecision(
-            handle=hid, src=src.rank if src is not None else None, dst=dst.rank, reason=reason, tokens=tokens,
-            bytes=nbytes, predicted_transfer_s=predicted_transfer, predicted_recompute_s=predicted_recompute,
-            choice=choice, actual_s=time.perf_counter() - start,
-        ))
+        """Bring ``hid`` to ``dst`` (handle lock held), as :meth:`.moves.Mover.move` does; record where it is."""
+        new = self._mover.move(self._known(hid).meta, src, dst, reason, method)
         self._record(dst.rank, [new])
         return new
-
-    def _cached_on(self, worker: WorkerClient, meta: Handle) -> int:
-        """Tokens of ``meta`` the worker's prefix cache holds (0 without a cache): a recompute there skips them."""
-        if not worker.info.get("prefix_cache", True) or meta.num_tokens < self.block_size:
-            return 0
-        try:
-            return int(worker.call("cached_prefix", meta.token_ids()))
-        except KvbatonError:
-            return 0
 
     # -- operators ------------------------------------------------------------------------------
     def _prompt_tokens(self, context: Any) -> Any:
@@ -660,43 +484,11 @@ class Cluster:
     def _stream(
         self, params: SamplingParams, start: Callable[[], tuple[WorkerClient, Iterator[StreamChunk | Result]]]
     ) -> TokenStream:
-        """A stream that is re-run on another worker when its worker dies. Chunks already delivered
-        are skipped in the re-run, which is exact only for deterministic sampling (greedy or seeded);
-        otherwise a stream that already produced text fails with ``ServerError``."""
-        deterministic = params.temperature == 0 or params.seed is not None
-        worker, items = start()
+        def retried(worker: WorkerClient) -> None:
+            self.retries += 1
+            log.warning("worker %d died during a stream; re-running it elsewhere", worker.rank)
 
-        def chunks() -> Generator[StreamChunk, None, Result]:
-            nonlocal worker, items
-            delivered = 0
-            try:
-                while True:
-                    skip = delivered
-                    try:
-                        for item in items:
-                            if isinstance(item, Result):
-                                if item.handle is not None:
-                                    self._record(worker.rank, [item.handle])
-                                return item
-                            if skip:
-                                skip -= 1
-                                continue
-                            delivered += 1
-                            yield item
-                    except WorkerLost:
-                        if delivered and not deterministic:
-                            raise ServerError(
-                                f"worker {worker.rank} died mid-stream; non-deterministic sampling cannot be resumed"
-                            ) from None
-                        self.retries += 1
-                        log.warning("worker %d died during a stream; re-running it elsewhere", worker.rank)
-                        worker, items = start()
-            finally:
-                close = getattr(items, "close", None)
-                if close is not None:
-                    close()
-
-        return TokenStream(chunks())
+        return failover_stream(params, start, lambda w, h: self._record(w.rank, [h]), retried)
 
     def release(self, handles: Handle | str | Iterable[Handle | str]) -> None:
         by_worker: dict[int, list[str]] = {}
@@ -764,41 +556,7 @@ class Cluster:
             for placed in self._table.states():
                 if placed.rank is not None:
                     held[placed.rank] += 1
-        cal = self.costs.calibration
-        cluster = ClusterStats(
-            workers=[
-                WorkerStats(
-                    rank=w.rank, device=w.device, alive=w.alive, pid=w.pid, host=w.host, queue=w.queue,
-                    handles=held[w.rank], stats=per.get(w.rank),
-                    prefill_tokens_per_s=(1 / cal.prefill_per_token_s[w.rank])
-                    if cal and cal.prefill_per_token_s.get(w.rank) else None,
-                )
-                for w in self.workers
-            ],
-            bandwidth_bytes_per_s=cal.bandwidth_bytes_per_s if cal else None,
-            latency_s=cal.latency_s if cal else None,
-            bandwidth_cap_bytes_per_s=self.bandwidth_cap,
-            transfers=self.costs.transfers,
-            recomputes=self.costs.recomputes,
-            retries=self.retries,
-            decisions=list(self.costs.decisions),
-        )
-        first = next(iter(per.values()))
-        total = lambda field: sum(getattr(s, field) for s in per.values())
-        agents: dict[str, Any] = {}
-        for s in per.values():
-            for name, value in s.agents.items():
-                agents.setdefault(name, value)
-        return Stats(
-            model=first.model, device=",".join(w.device for w in self.workers), dtype=first.dtype,
-            block_size=first.block_size, bytes_per_block=first.bytes_per_block,
-            **{f: total(f) for f in (
-                "blocks_total", "blocks_used", "blocks_free", "blocks_shared", "blocks_cached", "blocks_cache_only",
-                "pool_bytes_total", "pool_bytes_used", "pool_bytes_free", "tokens_reused", "tokens_prefilled",
-                "tokens_generated",
-            )},
-            handles_live=len(self._table), agents=agents, cluster=cluster,
-        )
+        return cluster_stats(self.workers, per, held, self.costs, self.bandwidth_cap, self.retries, len(self._table))
 
     def kill_worker(self, rank: int) -> None:
         """Kill a local worker process outright (SIGKILL), as a crash would: for fault tests."""
