@@ -1,8 +1,8 @@
 """The coordinator of a multi-device server: one worker process per device, one engine interface.
 
-:class:`Cluster` implements :class:`kvbaton.ops.EngineOps` as :class:`~kvbaton.backend.Engine` does, so ``kvbaton serve
---devices cpu,cpu`` and ``EmbeddedClient(engine=Cluster(...))`` work unchanged. It keeps, for every
-handle, its latest metadata (lineage included) and the worker holding its KV, and:
+:class:`Cluster` implements :class:`kvbaton.ops.EngineOps` as :class:`~kvbaton.backend.Engine`
+does, so ``kvbaton serve --devices cpu,cpu`` and ``EmbeddedClient(engine=Cluster(...))`` work
+unchanged. It keeps, for every handle, its latest metadata (lineage included) and the worker holding its KV, and:
 
 - routes each request (:mod:`.placement`): to the handle's worker, or the worker with the longest
   cached prefix, balanced by queue length;
