@@ -204,21 +204,19 @@ class KVManager:
         cache = self.cache
         if cache is None or state.num_tokens - 1 <= state.num_cached:
             return
+        stuck = False  # the last load-back could begin nothing (no room): take what is on the device
         while True:
             with self.lock:
                 path = cache.match(state.token_ids, state.num_tokens - 1)
                 if len(path) * self.block_size <= state.num_cached:
                     return
-                if any(n.state is NodeState.LOADING for n in path):
+                if any(n.state is NodeState.LOADING for n in path):  # another request or prefetch loads it
                     self.loaded.wait(timeout=1.0)
                     continue
-                if not any(n.state is NodeState.SLOW for n in path):
+                if stuck or not any(n.state is NodeState.SLOW for n in path):
                     self._take(state, path)
                     return
-            if not self.load_back(path):
-                with self.lock:
-                    self._take(state, cache.match(state.token_ids, state.num_tokens - 1))
-                return
+            stuck = self.load_back(path) == 0
 
     def load_back(
         self, path: Sequence[RadixNode], allowed: Callable[[RadixNode], bool] | None = None, *, prefetch: bool = False
