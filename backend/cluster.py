@@ -156,7 +156,7 @@ class Cluster:
             tokenizer_fingerprint=first.get("tokenizer_fingerprint", ""),
             max_context=first["max_context"], vocab_size=first["vocab_size"],
         )
-        self._table.identity = Identity(model=self.loaded.name, fingerprint=self.loaded.fingerprint, where="this server")
+        self._table.identity = Identity(self.loaded.name, self.loaded.fingerprint, where="this server")
         self.block_size: int = first["block_size"]
         self.bytes_per_block: int = first["bytes_per_block"]
         self._mover = Mover(self.costs, self._transfer_lock, self.block_size, self.bytes_per_block)

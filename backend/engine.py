@@ -15,6 +15,7 @@ the model, so bad input never costs compute or leaks memory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import weakref
@@ -85,7 +86,8 @@ class Engine:
         if tiers and not prefix_cache:
             raise InvalidRequest("slow tiers hold evicted prefix-cache blocks: they need prefix_cache=True")
         self.correction = correction_config(correction) or CorrectionConfig()
-        self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device, attn_implementation=ATTN_IMPLEMENTATION)
+        self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device,
+                                              attn_implementation=ATTN_IMPLEMENTATION)
         lm = self.loaded
         shape = PoolShape(lm.num_layers, lm.num_kv_heads, lm.head_dim, block_size, lm.dtype)
         self.pool = BlockPool(shape, blocks_for_budget(kv_budget, shape.bytes_per_block), lm.device)
@@ -98,7 +100,6 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.lookahead = lookahead
         self.positions = Positions(rope_type=lm.rope_type, rope_theta=lm.rope_theta, rope_parameters=lm.rope_parameters)
-        self.placement = Placement(device=str(lm.device), tier="device")
         self.shifter = RopeShifter.from_model(lm.model, lm.rope_type, lm.rope_parameters)
         self._lock = threading.RLock()
         self._ste: dict[str, float] = {}  # the agents' steps-to-execution, read live by the eviction policies
@@ -111,21 +112,28 @@ class Engine:
             self.prefetcher = Prefetcher(self.kv, self._ste)
             weakref.finalize(self, self.prefetcher.close)
         self.inputs = Inputs(lm)
-        self.identity = Identity(
+        self.handles: HandleTable[KVState] = HandleTable(Identity(
             model=lm.name, fingerprint=lm.fingerprint, tokenizer_fingerprint=lm.tokenizer_fingerprint,
-            positions=self.positions, placement=self.placement, runs=f"{lm.name!r} in {lm.dtype}",
-        )
-        self.handles: HandleTable[KVState] = HandleTable(self.identity)
-        self.requests = Lifecycle(self.kv, self.scheduler, self.handles, self.identity, lm, prefill_chunk)
+            positions=self.positions, placement=Placement(device=str(lm.device), tier="device"),
+            runs=f"{lm.name!r} in {lm.dtype}",
+        ))
+        self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, prefill_chunk)
         # A proxy: the composer calls the public operators without keeping the engine alive.
         self.composer = Composer(
             self.kv, self.handles, self.requests, self.inputs, self.shifter, weakref.proxy(self), self.correction,
             lm.num_kv_heads, lm.head_dim,
         )
-        log.info(
-            "engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens",
-            lm.name, dtype, device, self.pool.num_blocks, block_size,
-        )
+        log.info("engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens",
+                 lm.name, dtype, device, self.pool.num_blocks, block_size)
+
+    @property
+    def placement(self) -> Placement:
+        return self.handles.identity.placement  # type: ignore[union-attr,return-value]
+
+    @placement.setter
+    def placement(self, value: Placement) -> None:
+        """A worker process names its rank in the placement of every handle it makes from now on."""
+        self.handles.identity = dataclasses.replace(self.handles.identity, placement=value)  # type: ignore[type-var]
 
     @property
     def max_context(self) -> int | None:
@@ -159,16 +167,12 @@ class Engine:
                 children.append(self.requests.publish(child))
             return children
 
-    def resume(
-        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None,
-        *, agent: str | None = None,
-    ) -> Result:
+    def resume(self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
+               agent: str | None = None) -> Result:
         return self.resume_stream(handle, suffix, sampling, agent=agent).until_done()
 
-    def resume_stream(
-        self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None,
-        *, agent: str | None = None,
-    ) -> TokenStream:
+    def resume_stream(self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
+                      agent: str | None = None) -> TokenStream:
         params = sampling or SamplingParams()
         tokens = self.inputs.tokens(suffix, what="suffix", allow_empty=True)
         return self.requests.stream(self._behind(handle, tokens, Op.RESUME, params.max_tokens), params, agent)
@@ -348,7 +352,7 @@ class Engine:
         """
         if not isinstance(handle, Handle):
             raise InvalidRequest("adopt needs a Handle with its lineage")
-        self.identity.check(handle)
+        self.handles.id_of(handle)  # the compatibility check
         tokens = self.inputs.tokens(handle.token_ids(), what="lineage")
         if len(tokens) != handle.num_tokens or not 0 <= num_cached <= len(tokens):
             raise InvalidRequest(f"handle {handle.id} lineage does not spell its {handle.num_tokens} tokens")

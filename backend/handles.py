@@ -64,7 +64,9 @@ class Identity:
                 f"{self.where} needs {self.positions.model_dump()}"
             )
 
-    def handle(self, handle_id: str, num_tokens: int, lineage: tuple[LineageStep, ...], *, exact: bool = True) -> Handle:
+    def handle(
+        self, handle_id: str, num_tokens: int, lineage: tuple[LineageStep, ...], *, exact: bool = True
+    ) -> Handle:
         """The public handle of a state made here."""
         assert self.tokenizer_fingerprint is not None and self.positions is not None and self.placement is not None
         return Handle(

@@ -27,7 +27,7 @@ from kvbaton.stream import TokenStream
 from kvbaton.types import Result, SamplingParams, StreamChunk, Timings
 
 from .detokenizer import Detokenizer
-from .handles import HandleTable, Identity
+from .handles import HandleTable
 from .kv_manager import KVManager
 from .loader import LoadedModel
 from .model_runner import Chunk
@@ -48,14 +48,13 @@ class RequestCounters:
 
 class Lifecycle:
     def __init__(
-        self, kv: KVManager, scheduler: Scheduler, handles: HandleTable[KVState], identity: Identity,
-        loaded: LoadedModel, prefill_chunk: int,
+        self, kv: KVManager, scheduler: Scheduler, handles: HandleTable[KVState], loaded: LoadedModel,
+        prefill_chunk: int,
     ) -> None:
         self._kv = kv
         self._lock = kv.lock
         self._scheduler = scheduler
-        self._handles = handles
-        self._identity = identity
+        self._handles = handles  # its identity is what published handles carry
         self._loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.counters = RequestCounters()
@@ -69,7 +68,9 @@ class Lifecycle:
 
     def publish(self, state: KVState) -> Handle:
         """The public handle of a state."""
-        return self._identity.handle(state.id, state.num_tokens, state.lineage, exact=state.exact_len is None)
+        identity = self._handles.identity
+        assert identity is not None
+        return identity.handle(state.id, state.num_tokens, state.lineage, exact=state.exact_len is None)
 
     def register(self, state: KVState, reused: int | None = None) -> Handle:
         """Make a computed state a live handle, its exact blocks offered to the prefix cache.
