@@ -1,9 +1,8 @@
 """The coordinator of a multi-device server: one worker process per device, one engine interface.
 
-:class:`Cluster` offers the :class:`~kvbaton.backend.Engine` methods the server and the embedded
-client use (``materialize``, ``resume_stream``, ``release``, ``stats``...), so ``kvbaton serve
---devices cpu,cpu`` and ``EmbeddedClient(engine=Cluster(...))`` work unchanged. It keeps, for every
-handle, its latest metadata (lineage included) and the worker holding its KV, and:
+:class:`Cluster` implements :class:`kvbaton.ops.EngineOps` as :class:`~kvbaton.backend.Engine`
+does, so ``kvbaton serve --devices cpu,cpu`` and ``EmbeddedClient(engine=Cluster(...))`` work
+unchanged. It keeps, for every handle, its latest metadata (lineage included) and the worker holding its KV, and:
 
 - routes each request (:mod:`.placement`): to the handle's worker, or the worker with the longest
   cached prefix, balanced by queue length;
@@ -16,73 +15,48 @@ handle, its latest metadata (lineage included) and the worker holding its KV, an
   that lived only there are recomputed from their lineage on next use.
 
 A dead worker is not restarted (the process group cannot take a new member); the cluster goes on
-with the others.
+with the others. Start-up lives in :mod:`.rendezvous`, the measurements for the cost model in
+:mod:`.calibration`, a handle's move in :mod:`.moves`, streams that outlive their worker in
+:mod:`.failover`; the handles in a shared :class:`~.handles.HandleTable`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import ipaddress
 import json
 import logging
 import os
-import queue
 import secrets
-import socket
 import subprocess
-import sys
 import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbaton.capabilities import KVBATON, Capabilities
-from kvbaton.errors import (
-    HandleNotFound,
-    HandleReleased,
-    IncompatibleHandle,
-    InvalidRequest,
-    KvbatonError,
-    ServerError,
-)
-from kvbaton.handle import Handle, LineageStep, Op, Placement
+from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, InvalidRequest, ServerError
+from kvbaton.handle import Handle, Segment
+from kvbaton.ops import Context, HandleLike, ste_map
 from kvbaton.stream import TokenStream
-from kvbaton.types import (
-    AgentInfo,
-    ClusterStats,
-    Composition,
-    PlacementDecision,
-    Result,
-    SamplingParams,
-    Stats,
-    StreamChunk,
-    WorkerStats,
-)
+from kvbaton.types import AgentInfo, Composition, Result, SamplingParams, Stats, StreamChunk
 
-from .costmodel import Calibration, CostModel, fit_line, load_cached, store_cached
+from .calibration import measure_call_overhead, measure_link, measure_prefill
+from .costmodel import Calibration, CostModel, load_cached, store_cached
+from .failover import failover_stream
+from .handles import HandleTable, Identity
 from .loader import cache_dir
+from .moves import Mover
 from .placement import Placer
-from .worker import (
-    CLUSTER_KEY_ENV,
-    DEFAULT_CLUSTER_KEY,
-    DIST_BACKEND_ENV,
-    WorkerClient,
-    WorkerLost,
-    cluster_key,
-    default_backend,
-)
+from .rendezvous import accept_workers, free_port, is_loopback, start_local_workers
+from .stats import cluster_stats
+from .worker import CLUSTER_KEY_ENV, DEFAULT_CLUSTER_KEY, WorkerClient, WorkerLost, cluster_key
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 STARTUP_TIMEOUT_S = 600.0
-_RELEASED_MEMORY = 1_000_000
-PROBE_PREFILL_TOKENS = (32, 256)
 
 
 @dataclass(frozen=True)
@@ -96,17 +70,15 @@ class ModelInfo:
     vocab_size: int
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+@dataclass(eq=False)
+class _Placed:
+    """A live handle of the cluster: its latest metadata (lineage included), the worker holding its
+    KV (None: lost with its worker, recomputed from lineage on next use), and the lock serializing
+    moves of it."""
 
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
+    meta: Handle
+    rank: int | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Cluster:
@@ -139,7 +111,7 @@ class Cluster:
         if world < len(devices):
             raise InvalidRequest(f"world size {world} is smaller than the {len(devices)} local devices")
         addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        if not _is_loopback(addr) and os.environ.get(CLUSTER_KEY_ENV, DEFAULT_CLUSTER_KEY) == DEFAULT_CLUSTER_KEY:
+        if not is_loopback(addr) and os.environ.get(CLUSTER_KEY_ENV, DEFAULT_CLUSTER_KEY) == DEFAULT_CLUSTER_KEY:
             raise InvalidRequest(f"a multi-node cluster needs a shared secret in ${CLUSTER_KEY_ENV} on every node")
         port = master_port or int(os.environ.get("MASTER_PORT") or 0) or free_port()
         ctl = control_port or int(os.environ.get("KVBATON_CONTROL_PORT") or 0) or (port + 1 if world > len(devices) else free_port())
@@ -153,10 +125,7 @@ class Cluster:
         self.retries = 0
         self._lock = threading.RLock()
         self._transfer_lock = threading.Lock()
-        self._handles: dict[str, Handle] = {}
-        self._where: dict[str, int | None] = {}
-        self._hlocks: dict[str, threading.Lock] = {}
-        self._released: OrderedDict[str, None] = OrderedDict()
+        self._table: HandleTable[_Placed] = HandleTable()  # its identity is known once the workers joined
         self._procs: list[subprocess.Popen[bytes]] = []
         self.workers: list[WorkerClient] = []
         # Single node: a fresh secret per cluster, handed to the workers we start (nobody else can
@@ -165,8 +134,11 @@ class Cluster:
         self._key = secrets.token_hex(16).encode() if local else cluster_key()
         self._listener = Listener(self.control, authkey=self._key)
         try:
-            self._start_local(model, engine_options or {}, worker_log_level, worker_threads)
-            self._accept(startup_timeout)
+            self._procs = start_local_workers(
+                devices, world, self.master, self.control, self._key, model=model, engine_options=engine_options or {},
+                log_level=worker_log_level, threads=worker_threads, bandwidth_cap=bandwidth_cap,
+            )
+            self.workers = accept_workers(self._listener, self._procs, world, startup_timeout, self._worker_lost)
         except BaseException:
             self.close()
             raise
@@ -184,8 +156,10 @@ class Cluster:
             tokenizer_fingerprint=first.get("tokenizer_fingerprint", ""),
             max_context=first["max_context"], vocab_size=first["vocab_size"],
         )
+        self._table.identity = Identity(self.loaded.name, self.loaded.fingerprint, where="this server")
         self.block_size: int = first["block_size"]
         self.bytes_per_block: int = first["bytes_per_block"]
+        self._mover = Mover(self.costs, self._transfer_lock, self.block_size, self.bytes_per_block)
         path = cache_dir() / "calibration.json" if calibration_cache == "default" else (
             Path(calibration_cache) if calibration_cache else None
         )
@@ -203,62 +177,6 @@ class Cluster:
         """Every worker runs kvbaton's own engine."""
         return KVBATON
 
-    # -- startup ------------------------------------------------------------------------------
-    def _start_local(
-        self, model: str | None, engine_options: dict[str, Any], log_level: str, threads: int | None
-    ) -> None:
-        env = {**os.environ, "MASTER_ADDR": self.master[0], "MASTER_PORT": str(self.master[1]),
-               CLUSTER_KEY_ENV: self._key.decode()}
-        if threads:  # CPU workers sharing one machine: keep their OpenMP pools from oversubscribing it
-            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-        for rank, device in enumerate(self.devices):
-            cmd = [
-                sys.executable, "-m", "kvbaton.backend.worker", "--rank", str(rank), "--world-size",
-                str(self.world_size), "--device", device, "--control", f"{self.control[0]}:{self.control[1]}",
-                "--engine-options", json.dumps(engine_options), "--log-level", log_level,
-            ]
-            if model is not None:
-                cmd += ["--model", model]
-            if self.bandwidth_cap:
-                cmd += ["--bandwidth-cap", str(self.bandwidth_cap)]
-            if self.world_size == len(self.devices) and not os.environ.get(DIST_BACKEND_ENV):
-                cmd += ["--backend", default_backend(self.devices)]
-            self._procs.append(subprocess.Popen(cmd, env=env))
-
-    def _accept(self, timeout: float) -> None:
-        arrivals: queue.Queue[Any] = queue.Queue()
-
-        def accept() -> None:
-            for _ in range(self.world_size):
-                try:
-                    conn = self._listener.accept()
-                    arrivals.put((conn, conn.recv()))
-                except Exception as exc:  # noqa: BLE001 - closed listener or a peer without the key
-                    arrivals.put(exc)
-                    return
-
-        threading.Thread(target=accept, name="kvbaton-cluster-accept", daemon=True).start()
-        deadline = time.monotonic() + timeout
-        joined: dict[int, WorkerClient] = {}
-        while len(joined) < self.world_size:
-            for proc in self._procs:
-                if proc.poll() is not None:
-                    raise ServerError(f"a worker process exited during startup (code {proc.returncode})")
-            try:
-                item = arrivals.get(timeout=0.5)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise ServerError(f"only {len(joined)} of {self.world_size} workers joined in {timeout:.0f} s")
-                continue
-            if isinstance(item, Exception):
-                raise ServerError(f"worker rendezvous failed: {item}")
-            conn, (kind, hello) = item
-            if kind != "hello" or hello["rank"] in joined or not 0 <= hello["rank"] < self.world_size:
-                raise ServerError(f"unexpected worker greeting {kind!r} {hello!r}")
-            joined[hello["rank"]] = WorkerClient(conn, hello, self._worker_lost)
-            log.info("worker %d joined: %s on %s (pid %s)", hello["rank"], hello["device"], hello["host"], hello["pid"])
-        self.workers = [joined[r] for r in range(self.world_size)]
-
     # -- calibration ----------------------------------------------------------------------------
     def _calibration_key(self) -> str:
         return json.dumps({
@@ -275,20 +193,8 @@ class Cluster:
             self.costs.calibration = cached
             return cached
         latency, bandwidth = self._measure_link()
-        start = time.perf_counter()
-        for _ in range(3):
-            self.workers[0].call("ping")
-        overhead = (time.perf_counter() - start) / 3
-        fixed: dict[int, float] = {}
-        per_token: dict[int, float] = {}
-        for w in self.live_workers():
-            w.call("probe_prefill", 8, seed=w.rank)  # warm-up
-            points = []
-            for i, n in enumerate(PROBE_PREFILL_TOKENS):
-                t0 = time.perf_counter()
-                w.call("probe_prefill", n, seed=1000 * (w.rank + 1) + i + int(time.time()))
-                points.append((float(n), time.perf_counter() - t0))
-            fixed[w.rank], per_token[w.rank] = fit_line(points)
+        overhead = measure_call_overhead(self.workers[0])
+        fixed, per_token = measure_prefill(self.live_workers())
         cal = Calibration(latency, bandwidth, overhead, fixed, per_token)
         self.costs.calibration = cal
         store_cached(self._calibration_path, key, cal)
@@ -298,21 +204,7 @@ class Cluster:
 
     def _measure_link(self) -> tuple[float, float]:
         live = self.live_workers()
-        src, dst = live[0], live[1]
-        big = int(min(32 * 2**20, self.bandwidth_cap * 0.3)) if self.bandwidth_cap else 32 * 2**20
-        big = max(big, self.bytes_per_block)
-
-        def probe(nbytes: int) -> float:
-            with self._transfer_lock:
-                t0 = time.perf_counter()
-                self._both(lambda: src.call("send_probe", nbytes, dst.rank), lambda: dst.call("recv_probe", nbytes, src.rank))
-                return time.perf_counter() - t0
-
-        probe(1)  # connection set-up happens on first use
-        small = sorted(probe(1) for _ in range(3))[1]
-        large = min(probe(big) for _ in range(2))
-        bandwidth = (big - 1) / max(large - small, 1e-6)
-        return small, bandwidth
+        return measure_link(live[0], live[1], self._transfer_lock, self.bandwidth_cap, self.bytes_per_block)
 
     def set_bandwidth_cap(self, cap: float | None) -> Calibration:
         """Pace KV sends at ``cap`` bytes/s (None: unpaced) and re-measure the link (tests, benchmarks)."""
@@ -334,9 +226,9 @@ class Cluster:
 
     def _worker_lost(self, worker: WorkerClient) -> None:
         with self._lock:
-            lost = [hid for hid, r in self._where.items() if r == worker.rank]
-            for hid in lost:
-                self._where[hid] = None
+            lost = [placed for placed in self._table.states() if placed.rank == worker.rank]
+            for placed in lost:
+                placed.rank = None
         self.placer.forget_worker(worker.rank)
         log.error("worker %d lost: %d handles will be recomputed from lineage on next use", worker.rank, len(lost))
 
@@ -361,43 +253,21 @@ class Cluster:
             raise InvalidRequest(f"worker {worker.rank} ({worker.device}) is down")
         return worker
 
-    @staticmethod
-    def _both(a: Callable[[], Any], b: Callable[[], Any]) -> tuple[Any, Any]:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            fa, fb = pool.submit(a), pool.submit(b)
-            return fa.result(), fb.result()
-
     # -- handle bookkeeping ---------------------------------------------------------------------
-    def _hid(self, handle: Handle | str) -> str:
-        if isinstance(handle, Handle):
-            lm = self.loaded
-            if handle.model_fingerprint != lm.fingerprint:
-                raise IncompatibleHandle(
-                    f"handle {handle.id} was made by model {handle.model!r} (fingerprint {handle.model_fingerprint}); "
-                    f"this server runs {lm.name!r} (fingerprint {lm.fingerprint})"
-                )
-            return handle.id
-        if isinstance(handle, str):
-            return handle
-        raise InvalidRequest(f"expected a Handle or a handle id, got {type(handle).__name__}")
+    def _hid(self, handle: HandleLike) -> str:
+        return self._table.id_of(handle)
 
-    def _known(self, hid: str) -> None:
-        with self._lock:
-            if hid in self._handles:
-                return
-            if hid in self._released:
-                raise HandleReleased(f"handle {hid} was released")
-        raise HandleNotFound(f"no handle {hid} in this engine")
-
-    def _hlock(self, hid: str) -> threading.Lock:
-        with self._lock:
-            return self._hlocks.setdefault(hid, threading.Lock())
+    def _known(self, hid: str) -> _Placed:
+        return self._table.get(hid)
 
     def _record(self, rank: int, handles: Iterable[Handle]) -> None:
         with self._lock:
             for h in handles:
-                self._handles[h.id] = h
-                self._where[h.id] = rank
+                placed = self._table.find(h.id)
+                if placed is None:
+                    self._table.add(h.id, _Placed(h, rank))
+                else:  # moved: same handle (and lock), new metadata and worker
+                    placed.meta, placed.rank = h, rank
         for h in handles:
             self.placer.remember(rank, h.token_ids())
 
@@ -406,11 +276,10 @@ class Cluster:
         recomputing it there first when placement says so), retrying when a worker dies."""
         hid = self._hid(handle)
         for _ in range(len(self.workers) + 1):
-            self._known(hid)
-            with self._hlock(hid):
-                self._known(hid)
+            with self._known(hid).lock:
+                placed = self._known(hid)
                 with self._lock:
-                    rank = self._where[hid]
+                    rank = placed.rank
                 holder = self.workers[rank] if rank is not None else None
                 target = self.placer.for_handle(holder, self.workers)
                 try:
@@ -436,70 +305,10 @@ class Cluster:
     def _move(
         self, hid: str, src: WorkerClient | None, dst: WorkerClient, reason: str, method: str = "auto"
     ) -> Handle:
-        """Bring ``hid`` to ``dst`` by transfer or recompute (handle lock held). ``method`` forces
-        one ("transfer" / "recompute") instead of the cost model's choice (benchmarks)."""
-        meta = self._handles[hid]
-        tokens = meta.num_tokens
-        nbytes = -(-tokens // self.block_size) * self.bytes_per_block
-        moved = meta.model_copy(update={
-            "lineage": meta.lineage + (LineageStep(op=Op.TRANSFER, parent=hid),),
-            "placement": Placement(device=dst.device, worker=dst.rank),
-        })
-        if src is not None and src.alive:
-            cached = self._cached_on(dst, meta) if method == "auto" else 0
-            choice, predicted_transfer, predicted_recompute = self.costs.choose(dst.rank, tokens, nbytes, cached)
-            if method != "auto":
-                choice = method
-        else:
-            choice, predicted_transfer = "recompute", None
-            predicted_recompute = self.costs.predict_recompute(dst.rank, tokens - self._cached_on(dst, meta))
-        start = time.perf_counter()
-        new: Handle | None = None
-        if choice == "transfer":
-            assert src is not None
-            try:
-                with self._transfer_lock:
-                    _, new = self._both(
-                        lambda: src.call("send_handle", hid, dst.rank),
-                        lambda: dst.call("recv_handle", moved, src.rank),
-                    )
-            except WorkerLost:
-                if not dst.alive:
-                    raise
-                choice = "recompute"  # the source died mid-transfer: its KV is gone, the lineage is not
-                log.warning("transfer of %s from worker %d failed; recomputing on %d", hid[:8], src.rank, dst.rank)
-            except KvbatonError as exc:
-                log.warning("transfer of %s failed (%s); recomputing on worker %d", hid[:8], exc, dst.rank)
-                choice = "recompute"
-                # the receiver may have adopted it before the sender's release failed, or not at all
-                try:
-                    dst.call("release", hid)
-                except KvbatonError:
-                    pass
-        if choice == "recompute":
-            new = dst.call("adopt", moved)
-            if src is not None and src.alive:
-                try:
-                    src.call("release", hid)
-                except (KvbatonError, WorkerLost):
-                    pass
-        assert new is not None
-        self.costs.record(PlacementDecision(
-            handle=hid, src=src.rank if src is not None else None, dst=dst.rank, reason=reason, tokens=tokens,
-            bytes=nbytes, predicted_transfer_s=predicted_transfer, predicted_recompute_s=predicted_recompute,
-            choice=choice, actual_s=time.perf_counter() - start,
-        ))
+        """Bring ``hid`` to ``dst`` (handle lock held), as :meth:`.moves.Mover.move` does; record where it is."""
+        new = self._mover.move(self._known(hid).meta, src, dst, reason, method)
         self._record(dst.rank, [new])
         return new
-
-    def _cached_on(self, worker: WorkerClient, meta: Handle) -> int:
-        """Tokens of ``meta`` the worker's prefix cache holds (0 without a cache): a recompute there skips them."""
-        if not worker.info.get("prefix_cache", True) or meta.num_tokens < self.block_size:
-            return 0
-        try:
-            return int(worker.call("cached_prefix", meta.token_ids()))
-        except KvbatonError:
-            return 0
 
     # -- operators ------------------------------------------------------------------------------
     def _prompt_tokens(self, context: Any) -> Any:
@@ -542,11 +351,10 @@ class Cluster:
         hid = self._hid(handle)
         dst = self._worker(device)
         for _ in range(len(self.workers) + 1):
-            self._known(hid)
-            with self._hlock(hid):
+            placed = self._known(hid)
+            with placed.lock:
                 with self._lock:
-                    rank = self._where[hid]
-                    current = self._handles[hid]
+                    rank, current = placed.rank, placed.meta
                 holder = self.workers[rank] if rank is not None else None
                 if holder is dst:
                     return current
@@ -564,17 +372,14 @@ class Cluster:
         others are brought there first (transfer or recompute, as the cost model says)."""
         hids = sorted({self._hid(h) for h in handles})
         for _ in range(len(self.workers) + 1):
-            for hid in hids:
-                self._known(hid)
-            locks = [self._hlock(hid) for hid in hids]
+            locks = [self._known(hid).lock for hid in hids]
             for lock in locks:  # sorted ids: a fixed order, so two such calls cannot deadlock
                 lock.acquire()
             try:
-                for hid in hids:
-                    self._known(hid)
+                placed = {hid: self._known(hid) for hid in hids}
                 with self._lock:
-                    where = {hid: self._where[hid] for hid in hids}
-                    sizes = {hid: self._handles[hid].num_tokens for hid in hids}
+                    where = {hid: p.rank for hid, p in placed.items()}
+                    sizes = {hid: p.meta.num_tokens for hid, p in placed.items()}
                 held: dict[int, int] = {}
                 for hid, rank in where.items():
                     if rank is not None and self.workers[rank].alive:
@@ -595,8 +400,10 @@ class Cluster:
                     lock.release()
         raise ServerError("no worker could serve the request")
 
-    def compose(self, prefix: Any = None, segments: Sequence[Any] = (), suffix: Any = None, *,
-                agent: str | None = None, mode: str = "auto", correction: Any = None) -> Composition:
+    def compose(self, prefix: Handle | Context | None = None, segments: Sequence[Segment | Handle] = (),
+                suffix: Context | None = None, *, agent: str | None = None, mode: str = "auto",
+                correction: Mapping[str, Any] | None = None) -> Composition:
+        correction = _plain(correction)
         refs = [s if isinstance(s, Handle) else s.handle for s in segments]
         if isinstance(prefix, Handle):
             refs.append(prefix)
@@ -609,8 +416,9 @@ class Cluster:
 
         return self._on_handles(refs, run)
 
-    def merge(self, parts: Sequence[Any], *, agent: str | None = None, mode: str = "auto",
-              correction: Any = None) -> Composition:
+    def merge(self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+              correction: Mapping[str, Any] | None = None) -> Composition:
+        correction = _plain(correction)
         refs = [p if isinstance(p, Handle) else p.handle for p in parts]
 
         def run(w: WorkerClient) -> Composition:
@@ -626,11 +434,10 @@ class Cluster:
             "fidelity", self._hid(handle), max_tokens, reference=None if reference is None else self._hid(reference)
         ))
 
-    def describe(self, handle: Handle | str) -> Handle:
-        hid = self._hid(handle)
-        self._known(hid)
+    def describe(self, handle: HandleLike) -> Handle:
+        placed = self._known(self._hid(handle))
         with self._lock:
-            return self._handles[hid]
+            return placed.meta
 
     def resume(self, handle: Handle | str, suffix: Any = "", sampling: SamplingParams | None = None, *,
                agent: str | None = None) -> Result:
@@ -677,62 +484,18 @@ class Cluster:
     def _stream(
         self, params: SamplingParams, start: Callable[[], tuple[WorkerClient, Iterator[StreamChunk | Result]]]
     ) -> TokenStream:
-        """A stream that is re-run on another worker when its worker dies. Chunks already delivered
-        are skipped in the re-run, which is exact only for deterministic sampling (greedy or seeded);
-        otherwise a stream that already produced text fails with ``ServerError``."""
-        deterministic = params.temperature == 0 or params.seed is not None
-        worker, items = start()
+        def retried(worker: WorkerClient) -> None:
+            self.retries += 1
+            log.warning("worker %d died during a stream; re-running it elsewhere", worker.rank)
 
-        def chunks() -> Generator[StreamChunk, None, Result]:
-            nonlocal worker, items
-            delivered = 0
-            try:
-                while True:
-                    skip = delivered
-                    try:
-                        for item in items:
-                            if isinstance(item, Result):
-                                if item.handle is not None:
-                                    self._record(worker.rank, [item.handle])
-                                return item
-                            if skip:
-                                skip -= 1
-                                continue
-                            delivered += 1
-                            yield item
-                    except WorkerLost:
-                        if delivered and not deterministic:
-                            raise ServerError(
-                                f"worker {worker.rank} died mid-stream; non-deterministic sampling cannot be resumed"
-                            ) from None
-                        self.retries += 1
-                        log.warning("worker %d died during a stream; re-running it elsewhere", worker.rank)
-                        worker, items = start()
-            finally:
-                close = getattr(items, "close", None)
-                if close is not None:
-                    close()
-
-        return TokenStream(chunks())
+        return failover_stream(params, start, lambda w, h: self._record(w.rank, [h]), retried)
 
     def release(self, handles: Handle | str | Iterable[Handle | str]) -> None:
-        items = [handles] if isinstance(handles, Handle | str) else list(handles)
-        hids = [self._hid(h) for h in items]
-        for hid in hids:  # all or nothing
-            self._known(hid)
-        if len(set(hids)) != len(hids):
-            raise InvalidRequest("the same handle is listed twice")
         by_worker: dict[int, list[str]] = {}
         with self._lock:
-            for hid in hids:
-                rank = self._where.pop(hid, None)
-                self._handles.pop(hid, None)
-                self._hlocks.pop(hid, None)
-                self._released[hid] = None
-                if len(self._released) > _RELEASED_MEMORY:
-                    self._released.popitem(last=False)
-                if rank is not None:
-                    by_worker.setdefault(rank, []).append(hid)
+            for hid, placed in self._table.release(handles):  # all or nothing
+                if placed.rank is not None:
+                    by_worker.setdefault(placed.rank, []).append(hid)
         for rank, ids in by_worker.items():
             worker = self.workers[rank]
             if worker.alive:
@@ -769,11 +532,10 @@ class Cluster:
         info: AgentInfo = self._broadcast("register_agent", name, fixed_prompt, prefill=prefill)
         return info
 
-    def hints(self, steps: Any, running: Iterable[str] = (), finished: Iterable[str] = ()) -> dict[str, float]:
-        if hasattr(steps, "steps_to_execution"):
-            steps = dict(steps.steps_to_execution(running=tuple(running), finished=tuple(finished)))
-            running = ()
-        result: dict[str, float] = self._broadcast("hints", steps, running=tuple(running))
+    def hints(
+        self, steps: Mapping[str, float] | Any, *, running: Iterable[str] = (), finished: Iterable[str] = ()
+    ) -> dict[str, float]:
+        result: dict[str, float] = self._broadcast("hints", ste_map(steps, running, finished))
         return result
 
     def flush_cache(self) -> None:
@@ -791,44 +553,10 @@ class Cluster:
             raise ServerError("every worker is down")
         with self._lock:
             held = {w.rank: 0 for w in self.workers}
-            for rank in self._where.values():
-                if rank is not None:
-                    held[rank] += 1
-        cal = self.costs.calibration
-        cluster = ClusterStats(
-            workers=[
-                WorkerStats(
-                    rank=w.rank, device=w.device, alive=w.alive, pid=w.pid, host=w.host, queue=w.queue,
-                    handles=held[w.rank], stats=per.get(w.rank),
-                    prefill_tokens_per_s=(1 / cal.prefill_per_token_s[w.rank])
-                    if cal and cal.prefill_per_token_s.get(w.rank) else None,
-                )
-                for w in self.workers
-            ],
-            bandwidth_bytes_per_s=cal.bandwidth_bytes_per_s if cal else None,
-            latency_s=cal.latency_s if cal else None,
-            bandwidth_cap_bytes_per_s=self.bandwidth_cap,
-            transfers=self.costs.transfers,
-            recomputes=self.costs.recomputes,
-            retries=self.retries,
-            decisions=list(self.costs.decisions),
-        )
-        first = next(iter(per.values()))
-        total = lambda field: sum(getattr(s, field) for s in per.values())
-        agents: dict[str, Any] = {}
-        for s in per.values():
-            for name, value in s.agents.items():
-                agents.setdefault(name, value)
-        return Stats(
-            model=first.model, device=",".join(w.device for w in self.workers), dtype=first.dtype,
-            block_size=first.block_size, bytes_per_block=first.bytes_per_block,
-            **{f: total(f) for f in (
-                "blocks_total", "blocks_used", "blocks_free", "blocks_shared", "blocks_cached", "blocks_cache_only",
-                "pool_bytes_total", "pool_bytes_used", "pool_bytes_free", "tokens_reused", "tokens_prefilled",
-                "tokens_generated",
-            )},
-            handles_live=len(self._handles), agents=agents, cluster=cluster,
-        )
+            for placed in self._table.states():
+                if placed.rank is not None:
+                    held[placed.rank] += 1
+        return cluster_stats(self.workers, per, held, self.costs, self.bandwidth_cap, self.retries, len(self._table))
 
     def kill_worker(self, rank: int) -> None:
         """Kill a local worker process outright (SIGKILL), as a crash would: for fault tests."""
@@ -853,3 +581,8 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _plain(correction: Mapping[str, Any] | None) -> Any:
+    """A correction mapping as a plain dict, which pickles to the worker whatever mapping it was."""
+    return dict(correction) if isinstance(correction, Mapping) else correction

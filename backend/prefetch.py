@@ -1,9 +1,10 @@
 """Proactive prefetch: bring the fixed prompts of agents that run soon back to the device.
 
 On every hint update the engine hands the worker the agents with STE <= look-ahead, soonest
-first. The worker reserves pool blocks under the engine lock (evicting only nodes that are needed
-later than the agent being loaded), reads the tier data WITHOUT the lock, so requests keep
-running, then installs the blocks and wakes requests waiting for them.
+first. The worker loads their slow-tier blocks back through the KV manager's one load-back path
+(:meth:`~.kv_manager.KVManager.load_back`: blocks reserved under the engine lock, tier data read
+WITHOUT it, so requests keep running, then installed and waiters woken), evicting only nodes that
+are needed later than the agent being loaded.
 """
 
 from __future__ import annotations
@@ -14,25 +15,20 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from .eviction import StepsToExecution
-from .radix import NodeState, RadixCache, RadixNode
-from .tiers import TierDataError
+from .kv_manager import KVManager
+from .radix import RadixNode
 
 log = logging.getLogger(__name__)
 
 
 class Prefetcher:
-    def __init__(self, cache: RadixCache, lock: threading.RLock, loaded: threading.Condition,
-                 ste: Mapping[str, float]) -> None:
-        self._cache = cache
-        self._lock = lock
-        self._loaded = loaded
+    def __init__(self, kv: KVManager, ste: Mapping[str, float]) -> None:
+        self._kv = kv
         self._ste = ste
         self._wake = threading.Condition()
         self._queue: list[str] = []
         self._busy = False
         self._closed = False
-        self.bytes_prefetched = 0
-        self.blocks_prefetched = 0
         self._thread = threading.Thread(target=self._run, name="kvbaton-prefetch", daemon=True)
         self._thread.start()
 
@@ -71,32 +67,13 @@ class Prefetcher:
                     self._wake.notify_all()
 
     def _prefetch(self, agent: str) -> None:
-        ste = self._ste.get(agent, math.inf)
-        with self._lock:
-            path = self._cache.fixed_path(agent)
-            if not any(n.state is NodeState.SLOW for n in path):
-                return
-            started = self._cache.begin_load(path, allowed=self._later_than(ste))
-        loaded: dict[int, object] = {}
-        try:
-            for node in started:  # the slow part, outside the lock
-                try:
-                    loaded[id(node)] = self._cache.read(node)
-                except TierDataError as exc:
-                    log.warning("prefetch: %s; the tokens will be recomputed", exc)
-        finally:
-            # Every started node is finished, with data or as a failure: requests wait on them.
-            with self._lock:
-                for node in started:
-                    if self._cache.finish_load(node, loaded.get(id(node))):  # type: ignore[arg-type]
-                        node.prefetched = True
-                        self.blocks_prefetched += 1
-                        self.bytes_prefetched += self._cache.pool.shape.bytes_per_block
-                self._loaded.notify_all()
+        path = self._kv.slow_fixed_path(agent)
+        if path:
+            self._kv.load_back(path, allowed=self._later_than(self._ste.get(agent, math.inf)), prefetch=True)
 
     def _later_than(self, ste: float) -> Callable[[RadixNode], bool]:
         """Prefetch may evict only nodes needed strictly later than the agent it loads."""
-        policy = self._cache.policy
+        policy = self._kv.cache.policy  # type: ignore[union-attr]
         if not isinstance(policy, StepsToExecution):
             return lambda node: True
         return lambda node: not node.owners or policy.node_ste(node) > ste

@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvbaton.errors import KvbatonError, ServerError, error_from_code
+from kvbaton.ops import OPERATORS, STREAM_OPERATORS
 from kvbaton.types import Result, StreamChunk
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,10 @@ DIST_BACKEND_ENV = "KVBATON_DIST_BACKEND"
 DEFAULT_CLUSTER_KEY = "kvbaton-loopback"  # only acceptable when everything binds loopback
 RENDEZVOUS_TIMEOUT_S = 600.0
 
-STREAM_METHODS = frozenset({"resume_stream", "complete_stream", "generate_stream"})
-ENGINE_METHODS = frozenset({
-    "materialize", "extend", "fork", "release", "stats", "tokenize", "detokenize", "chat_tokens",
-    "register_agent", "hints", "describe", "adopt", "flush_cache", "compose", "merge", "fidelity",
-    "cached_prefix",
-})
+# The methods the coordinator may call: the operators of the contract (kvbaton.ops), plus what a
+# cluster needs of an engine beyond them (metadata, adoption of moved handles, cache probes).
+STREAM_METHODS = STREAM_OPERATORS
+ENGINE_METHODS = (OPERATORS - STREAM_OPERATORS) | frozenset({"describe", "adopt", "flush_cache", "cached_prefix"})
 
 
 def default_backend(devices: list[str]) -> str:

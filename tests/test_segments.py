@@ -25,8 +25,8 @@ def shared_doc(engine, seed: int, n: int = 160) -> list[int]:
 
 
 def rows(engine, handle, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Test-only peek at a handle's K/V rows (every layer)."""
-    return engine._read_rows(engine._states[handle.id], start, n)
+    """A peek at a handle's K/V rows (every layer)."""
+    return engine.kv_rows(handle, start, n)
 
 
 def greedy(engine, handle, n: int = 8) -> list[int]:

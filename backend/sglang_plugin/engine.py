@@ -16,27 +16,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import re
 import threading
 import time
 import uuid
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from kvbaton.capabilities import SGLANG, Capabilities
-from kvbaton.errors import (
-    HandleNotFound,
-    HandleReleased,
-    IncompatibleHandle,
-    InvalidRequest,
-    MergeConflict,
-    ModelNotFound,
-)
+from kvbaton.errors import InvalidRequest, MergeConflict, ModelNotFound
 from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, Segment, common_prefix_length, new_handle_id
+from kvbaton.ops import check_agent, ste_map
 from kvbaton.stream import TokenStream
 from kvbaton.types import (
     AgentInfo,
@@ -50,6 +43,7 @@ from kvbaton.types import (
     Timings,
 )
 
+from ..handles import HandleTable, Identity
 from . import SGLANG_VERSION
 from .table import WorkflowHint, make_envelope
 
@@ -169,8 +163,10 @@ class SglangEngine:
         # sglang.Engine's synchronous API drives one asyncio loop (run_until_complete) and one RPC
         # socket: one thread at a time. Streams take it per chunk, so concurrent requests still batch.
         self._sgl_lock = threading.Lock()
-        self._states: dict[str, _State] = {}
-        self._released: set[str] = set()
+        self._table: HandleTable[_State] = HandleTable(Identity(
+            model=self.loaded.name, fingerprint=self.fingerprint, tokenizer_fingerprint=self.tokenizer_fingerprint,
+            positions=self.positions, placement=self.placement, runs="SGLang",
+        ))
         self._agents: dict[str, list[int]] = {}
         self._ste: dict[str, float] = {}
         self._counters = {"tokens_reused": 0, "tokens_prefilled": 0, "tokens_generated": 0, "tokens_recomputed": 0}
@@ -212,37 +208,18 @@ class SglangEngine:
     # -- handles ----------------------------------------------------------------------------------
 
     def _lookup(self, handle: Handle | str) -> _State:
-        if isinstance(handle, Handle):
-            if handle.model_fingerprint != self.fingerprint or handle.tokenizer_fingerprint != self.tokenizer_fingerprint:
-                raise IncompatibleHandle(f"handle {handle.id} was made by another model or engine ({handle.model!r})")
-            handle_id = handle.id
-        elif isinstance(handle, str):
-            handle_id = handle
-        else:
-            raise InvalidRequest(f"expected a Handle or a handle id, got {type(handle).__name__}")
-        with self._lock:
-            state = self._states.get(handle_id)
-            if state is None:
-                if handle_id in self._released:
-                    raise HandleReleased(f"handle {handle_id} was released")
-                raise HandleNotFound(f"no handle {handle_id} in this engine")
-            return state
+        return self._table.get(handle)
 
     def _new(self, tokens: list[int], lineage: tuple[LineageStep, ...]) -> Handle:
         handle_id = new_handle_id()
-        state = _State(tokens, lineage)
-        with self._lock:
-            self._states[handle_id] = state
-        return self._handle(handle_id, state)
-
-    def _handle(self, handle_id: str, state: _State) -> Handle:
-        return Handle(id=handle_id, model=self.loaded.name, model_fingerprint=self.fingerprint,
-                      tokenizer_fingerprint=self.tokenizer_fingerprint, num_tokens=len(state.token_ids),
-                      positions=self.positions, lineage=state.lineage, placement=self.placement)
+        self._table.add(handle_id, _State(tokens, lineage))
+        return self._table.identity.handle(handle_id, len(tokens), lineage)  # type: ignore[union-attr]
 
     def describe(self, handle: Handle | str) -> Handle:
-        """The current metadata (lineage included) of a live handle."""
-        return self._handle(handle.id if isinstance(handle, Handle) else handle, self._lookup(handle))
+        """The current metadata of a live handle."""
+        handle_id = self._table.id_of(handle)
+        state = self._lookup(handle_id)
+        return self._table.identity.handle(handle_id, len(state.token_ids), state.lineage)  # type: ignore[union-attr]
 
     def materialize(self, context: str | Sequence[int], *, agent: str | None = None) -> Handle:
         tokens = self._tokens(context, "context")
@@ -268,28 +245,20 @@ class SglangEngine:
         return [self._new(list(parent.token_ids), parent.lineage + (step,)) for _ in range(k)]
 
     def release(self, handles: Handle | str | Iterable[Handle | str]) -> None:
-        items = [handles] if isinstance(handles, Handle | str) else list(handles)
-        ids = [h.id if isinstance(h, Handle) else h for h in items]
-        for handle in items:
-            self._lookup(handle)  # all or nothing, with kvbaton's errors
-        if len(set(ids)) != len(ids):
-            raise InvalidRequest("the same handle is listed twice")
-        with self._lock:
-            for handle_id in ids:
-                # The KV stays in SGLang's tree as evictable cache; only the name goes.
-                if self._states.pop(handle_id, None) is not None:
-                    self._released.add(handle_id)
+        # All or nothing, with kvbaton's errors. The KV stays in SGLang's tree as evictable cache; only the name goes.
+        self._table.release(handles)
 
     # -- shared segments: SGLang cannot re-align or correct cached keys, so this is dense prefill -----
 
     def compose(self, prefix: Handle | str | Sequence[int] | None = None, segments: Sequence[Segment | Handle] = (),
                 suffix: str | Sequence[int] | None = None, *, agent: str | None = None, mode: str = "auto",
-                correction: Any = None) -> Composition:
+                correction: Mapping[str, Any] | None = None) -> Composition:
         """``prefix + segments + suffix`` prefilled by SGLang: a segment is reused exactly when its
         tokens sit at the same positions behind the same tokens as in its source (SGLang's radix tree
         finds it), and prefilled densely otherwise, whatever ``mode`` asks: never approximate KV."""
         if mode not in ("auto", "rotate", "dense"):
             raise InvalidRequest(f"unknown compose mode {mode!r}: use 'auto', 'rotate' or 'dense'")
+        check_agent(agent)
         start_time = time.perf_counter()
         parent_id: str | None = None
         if isinstance(prefix, Handle):  # as in kvbaton's engine: a string prefix is text
@@ -336,7 +305,7 @@ class SglangEngine:
                            tokens_prefilled=len(tokens) - cached, compose_s=time.perf_counter() - start_time)
 
     def merge(self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
-              correction: Any = None) -> Composition:
+              correction: Mapping[str, Any] | None = None) -> Composition:
         """kvbaton's restricted merge: prefix-compatible handles give the longest; segments are
         concatenated through :meth:`compose`; divergent tokens at the same positions raise MergeConflict."""
         items = list(parts)
@@ -453,6 +422,7 @@ class SglangEngine:
             self.sgl.collective_rpc(method, payload=json.dumps(body))
 
     def _prefill(self, tokens: list[int], agent: str | None, *, reusable: int) -> None:
+        check_agent(agent)
         with self._sgl_lock:
             out = self.sgl.generate(input_ids=tokens, sampling_params={"max_new_tokens": 0},
                                     kv_hints=self._hints_for(tokens, agent))
@@ -460,6 +430,7 @@ class SglangEngine:
 
     def _stream(self, tokens: list[int], lineage: tuple[LineageStep, ...], params: SamplingParams,
                 agent: str | None, *, reusable: int) -> TokenStream:
+        check_agent(agent)
         if self.loaded.max_context and len(tokens) + params.max_tokens > self.loaded.max_context:
             from kvbaton.errors import ContextTooLong
 
@@ -517,8 +488,9 @@ class SglangEngine:
     # -- workflow hints ---------------------------------------------------------------------------
 
     def register_agent(self, name: str, fixed_prompt: Any, *, prefill: bool = False) -> AgentInfo:
-        if not isinstance(name, str) or not name:
+        if name is None:
             raise InvalidRequest("agent name is required")
+        check_agent(name)
         if isinstance(fixed_prompt, Sequence) and fixed_prompt and isinstance(fixed_prompt[0], ChatMessage | dict):
             tokens = self.chat_tokens(fixed_prompt, add_generation_prompt=False)
         else:
@@ -530,16 +502,10 @@ class SglangEngine:
             self.release(self.materialize(tokens, agent=name))
         return AgentInfo(name=name, fixed_tokens=len(tokens))
 
-    def hints(self, steps: dict[str, float], running: Iterable[str] = (), finished: Iterable[str] = ()) -> dict[str, float]:
-        if hasattr(steps, "steps_to_execution"):
-            steps = dict(steps.steps_to_execution(running=tuple(running), finished=tuple(finished)))
-        ste = {str(a): v for a, v in dict(steps).items()}
-        for agent in running:
-            ste[agent] = 0
-        for agent, value in ste.items():
-            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < 0:
-                raise InvalidRequest(f"steps-to-execution of {agent!r} must be a number >= 0, got {value!r}")
-        self._ste = {a: float(v) for a, v in ste.items()}
+    def hints(
+        self, steps: Mapping[str, float] | Any, *, running: Iterable[str] = (), finished: Iterable[str] = ()
+    ) -> dict[str, float]:
+        self._ste = ste_map(steps, running, finished)
         if self.eviction == "kvbaton":
             self._rpc("kvbaton_hints", {"steps": self._ste, "replace": True})
         return dict(self._ste)
@@ -549,7 +515,7 @@ class SglangEngine:
     def stats(self) -> Stats:
         with self._lock:
             counters = dict(self._counters)
-            live = len(self._states)
+            live = len(self._table)
         total = self.kv_tokens or 0
         return Stats(
             model=self.loaded.name, device="cuda", dtype=self.loaded.dtype, block_size=self.page_size,

@@ -1,0 +1,62 @@
+"""Streams that survive their worker: a cluster's generation re-run elsewhere when its worker dies.
+
+Chunks already delivered are skipped in the re-run, which gives the same text only for
+deterministic sampling (greedy or seeded); a non-deterministic stream that already produced text
+fails with :class:`ServerError` instead of continuing with different text. Invariant: the stream
+on the worker is closed whatever way the consumer leaves (done, error, abandoned).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator
+
+from kvbaton.errors import ServerError
+from kvbaton.handle import Handle
+from kvbaton.stream import TokenStream
+from kvbaton.types import Result, SamplingParams, StreamChunk
+
+from .worker import WorkerClient, WorkerLost
+
+Start = Callable[[], tuple[WorkerClient, Iterator[StreamChunk | Result]]]
+
+
+def failover_stream(
+    params: SamplingParams, start: Start, finished: Callable[[WorkerClient, Handle], None],
+    retried: Callable[[WorkerClient], None],
+) -> TokenStream:
+    """A stream from ``start()`` (which picks a worker and starts the request there), started again
+    when that worker is lost. ``finished`` gets the worker and the result's handle; ``retried`` the
+    worker lost before each re-run."""
+    deterministic = params.temperature == 0 or params.seed is not None
+    worker, items = start()
+
+    def chunks() -> Generator[StreamChunk, None, Result]:
+        nonlocal worker, items
+        delivered = 0
+        try:
+            while True:
+                skip = delivered
+                try:
+                    for item in items:
+                        if isinstance(item, Result):
+                            if item.handle is not None:
+                                finished(worker, item.handle)
+                            return item
+                        if skip:
+                            skip -= 1
+                            continue
+                        delivered += 1
+                        yield item
+                except WorkerLost:
+                    if delivered and not deterministic:
+                        raise ServerError(
+                            f"worker {worker.rank} died mid-stream; non-deterministic sampling cannot be resumed"
+                        ) from None
+                    retried(worker)
+                    worker, items = start()
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    return TokenStream(chunks())

@@ -1,0 +1,303 @@
+"""The KV manager: which pool blocks hold a state's K/V, and how they get there.
+
+It owns block reservation (with copy-on-write), attaching a cached prefix from the radix cache,
+loading evicted blocks back from the slow tiers (one path, for a request's miss and for prefetch
+alike), offering finished blocks to the cache, dropping and trimming a state's blocks, and reading
+or writing K/V rows of a state.
+
+Invariants:
+
+- a state owns one pool reference per block in ``state.blocks``; a block it will write is private
+  (refcount 1) first: ``reserve`` copies a shared, partly filled block before anyone writes it;
+- only exact K/V enter the prefix cache (``insert`` stops at ``state.exact_len``, and private
+  measurement states never enter it);
+- slow-tier I/O never runs under the engine lock: nodes are marked ``LOADING`` under the lock, read
+  without it, installed under it again, and waiters on :attr:`loaded` are woken; a request that
+  needs a loading block waits for it, the others run meanwhile.
+
+Every method takes the engine lock itself (a re-entrant lock), except :meth:`attach` and
+:meth:`load_back`, which must be called WITHOUT it, since they let it go during tier reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from kvbaton.errors import InvalidRequest, PoolExhausted
+from kvbaton.handle import LineageStep, new_handle_id
+
+from .block_pool import BlockPool
+from .eviction import EvictionPolicy, make_policy
+from .loader import cache_dir
+from .radix import NodeState, RadixCache, RadixNode
+from .sequence import KVState
+from .tiers import TierDataError, make_tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TierCounters:
+    """Where attached blocks came from, for ``Stats.cache``."""
+
+    hits: dict[str, int] = field(default_factory=dict)  # blocks attached per tier ("device" included)
+    loaded_on_demand: int = 0  # blocks a request's miss loaded back
+    prefetched: int = 0  # blocks prefetch loaded back
+    prefetch_hits: int = 0  # prefetched blocks a request then used
+
+
+class KVManager:
+    def __init__(self, pool: BlockPool, cache: RadixCache | None, lock: threading.RLock) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.block_size = pool.block_size
+        self.lock = lock  # the engine lock: guards the pool, the cache and the states' block lists
+        self.loaded = threading.Condition(lock)  # signalled when slow-tier blocks arrive
+        self.counters = TierCounters()
+
+    # -- states --------------------------------------------------------------------------------
+    def share(self, parent: KVState | None, keep: int, added: Sequence[int], step: LineageStep) -> KVState:
+        """A new state sharing the K/V of ``parent``'s first ``keep`` tokens, followed by ``added``."""
+        if parent is None:
+            return KVState(id=new_handle_id(), token_ids=list(added), blocks=[], num_cached=0, lineage=(step,))
+        with self.lock:
+            cached = min(keep, parent.num_cached)
+            logits = parent.last_logits if keep == parent.num_tokens and cached == keep and not added else None
+            if not added and logits is None:
+                cached = min(cached, keep - 1)  # the last token must run again to produce next-token logits
+            blocks = parent.blocks[: self._blocks_for(cached)] if cached > 0 else []
+            self.pool.incref(blocks)
+        # Tokens computed behind approximate K/V are approximate too; behind an exact prefix they are exact.
+        approximate = parent.exact_len is not None and keep > parent.exact_len
+        return KVState(
+            id=new_handle_id(),
+            token_ids=parent.token_ids[:keep] + list(added),
+            blocks=list(blocks),
+            num_cached=cached,
+            lineage=parent.lineage + (step,),
+            last_logits=logits,
+            exact_len=parent.exact_len if approximate else None,
+            cacheable=parent.cacheable,
+        )
+
+    def reserve(self, state: KVState, num_tokens: int) -> None:
+        """Make ``state`` own writable blocks for positions ``num_cached..num_tokens-1``, or raise."""
+        bs = self.block_size
+        with self.lock:
+            write_at = state.num_cached
+            cow = write_at % bs != 0 and write_at < num_tokens and self.pool.refcount(state.blocks[write_at // bs]) > 1
+            missing = max(0, self._blocks_for(num_tokens) - len(state.blocks))
+            needed = missing + int(cow)
+            if needed > self.pool.num_free and self.cache is not None:
+                self.cache.evict(needed - self.pool.num_free)
+            if needed > self.pool.num_free:
+                raise PoolExhausted(
+                    f"KV pool exhausted: the request needs {needed} more blocks of {bs} tokens, "
+                    f"{self.pool.num_free} of {self.pool.num_blocks} are free; release handles or raise kv_budget"
+                )
+            if cow:
+                shared = state.blocks[write_at // bs]
+                (private,) = self.pool.allocate(1)
+                self.pool.copy_block(shared, private, write_at % bs)
+                self.pool.decref([shared])
+                state.blocks[write_at // bs] = private
+            if missing:
+                state.blocks.extend(self.pool.allocate(missing))
+
+    def trim(self, state: KVState) -> None:
+        """Give back blocks reserved beyond the state's tokens (a generation that stopped early)."""
+        with self.lock:
+            keep = self._blocks_for(state.num_tokens)
+            if len(state.blocks) > keep:
+                self.pool.decref(state.blocks[keep:])
+                del state.blocks[keep:]
+
+    def drop(self, state: KVState) -> None:
+        """Give back every block of the state (idempotent)."""
+        with self.lock:
+            self.pool.decref(state.blocks)
+            state.blocks = []
+            state.last_logits = None
+
+    def pin(self, blocks: Sequence[int]) -> None:
+        """Keep blocks readable while their owner may be released (compose sources, exports)."""
+        with self.lock:
+            self.pool.incref(blocks)
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        with self.lock:
+            self.pool.decref(blocks)
+
+    def export(self, state: KVState) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the K/V of the state's computed blocks, one block at a time. The blocks are
+        pinned now and until the iterator ends or is closed, so a concurrent release cannot
+        recycle them mid-export."""
+        with self.lock:
+            blocks = list(state.blocks[: self._blocks_for(state.num_cached)])
+            self.pool.incref(blocks)
+
+        def read() -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+            try:
+                for block in blocks:
+                    yield self.pool.read_block(block)
+            finally:
+                self.unpin(blocks)
+
+        return read()
+
+    # -- K/V rows -----------------------------------------------------------------------------
+    def read_rows(self, state: KVState, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.read_rows(self.pool.slots(state.blocks, start, start + n))
+
+    def write_rows(self, state: KVState, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V rows at the state's next uncached positions (blocks reserved, privately owned)."""
+        assert start == state.num_cached
+        n = k.shape[2]
+        self.pool.write_rows(self.pool.slots(state.blocks, start, start + n), k, v)
+        state.num_cached = start + n
+        state.last_logits = None
+
+    def copy_rows(self, src: KVState, start: int, dst: KVState, offset: int, n: int) -> None:
+        k, v = self.read_rows(src, start, n)
+        self.write_rows(dst, offset, k, v)
+
+    def fill(self, state: KVState, blocks: Iterable[tuple[torch.Tensor, torch.Tensor]], num_cached: int) -> None:
+        """Give a fresh state the K/V of its first ``num_cached`` tokens, whole blocks in order, as
+        :meth:`export` yields them (from another engine of the same model)."""
+        self.reserve(state, num_cached)
+        count = 0
+        for i, (k, v) in enumerate(blocks):
+            if i >= len(state.blocks):
+                raise InvalidRequest(f"more KV blocks than {num_cached} tokens need")
+            self.pool.write_block(state.blocks[i], k.to(self.pool.device), v.to(self.pool.device))
+            count += 1
+        if count != len(state.blocks):
+            raise InvalidRequest(f"got {count} KV blocks, {num_cached} tokens need {len(state.blocks)}")
+        state.num_cached = num_cached
+
+    # -- the prefix cache ---------------------------------------------------------------------
+    def insert(self, state: KVState) -> None:
+        """Offer the state's full blocks to the prefix cache: only those whose K/V are exact."""
+        if self.cache is not None and state.cacheable:
+            exact = state.num_cached if state.exact_len is None else min(state.num_cached, state.exact_len)
+            with self.lock:
+                self.cache.insert(state.token_ids, state.blocks, exact // self.block_size)
+
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the prefix cache holds on the device (what a prefill skips)."""
+        if self.cache is None:
+            return 0
+        with self.lock:
+            path = self.cache.match(list(tokens), len(tokens) - 1, touch=False)
+            return len(_on_device(path)) * self.block_size
+
+    def attach(self, state: KVState) -> None:
+        """Take the longest cached prefix of the state's tokens from the radix cache (call WITHOUT the lock).
+
+        Blocks in a slow tier are loaded back first; blocks another request or prefetch is loading
+        are waited for. A block that cannot be read back is forgotten and its tokens recomputed.
+        """
+        cache = self.cache
+        if cache is None or state.num_tokens - 1 <= state.num_cached:
+            return
+        stuck = False  # the last load-back could begin nothing (no room): take what is on the device
+        while True:
+            with self.lock:
+                path = cache.match(state.token_ids, state.num_tokens - 1)
+                if len(path) * self.block_size <= state.num_cached:
+                    return
+                if any(n.state is NodeState.LOADING for n in path):  # another request or prefetch loads it
+                    self.loaded.wait(timeout=1.0)
+                    continue
+                if stuck or not any(n.state is NodeState.SLOW for n in path):
+                    self._take(state, path)
+                    return
+            stuck = self.load_back(path) == 0
+
+    def load_back(
+        self, path: Sequence[RadixNode], allowed: Callable[[RadixNode], bool] | None = None, *, prefetch: bool = False
+    ) -> int:
+        """Bring the slow nodes of ``path`` back to the device (call WITHOUT the lock); how many it began.
+
+        ``allowed`` limits what making room may evict (prefetch evicts only what is needed later).
+        Every node begun is finished, with its data or as a failure, so nobody waits on it forever.
+        """
+        cache = self.cache
+        assert cache is not None
+        with self.lock:
+            started = cache.begin_load(path, allowed=allowed)
+            tiers = {id(n): cache.tiers[n.tier].name for n in started}  # type: ignore[index]
+        data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        try:
+            for node in started:  # the slow part, outside the lock
+                try:
+                    data[id(node)] = cache.read(node)
+                except TierDataError as exc:
+                    log.warning("%s; those tokens will be recomputed", exc)
+        finally:
+            with self.lock:
+                for node in started:  # root to leaf: a failed node drops the rest with it
+                    if cache.finish_load(node, data.get(id(node))):
+                        if prefetch:
+                            node.prefetched = True
+                            self.counters.prefetched += 1
+                        else:
+                            tier = tiers[id(node)]
+                            self.counters.hits[tier] = self.counters.hits.get(tier, 0) + 1
+                            self.counters.loaded_on_demand += 1
+                self.loaded.notify_all()
+        return len(started)
+
+    def slow_fixed_path(self, agent: str) -> list[RadixNode]:
+        """The cache path of an agent's fixed prompt when part of it is in a slow tier, else []."""
+        if self.cache is None:
+            return []
+        with self.lock:
+            path = self.cache.fixed_path(agent)
+            return path if any(n.state is NodeState.SLOW for n in path) else []
+
+    def _take(self, state: KVState, path: Sequence[RadixNode]) -> None:
+        """Swap the state's leading blocks for the cached ones of ``path`` when that covers more (lock held)."""
+        device = _on_device(path)
+        if len(device) * self.block_size <= state.num_cached:
+            return
+        for node in device:
+            if node.prefetched:
+                node.prefetched = False
+                self.counters.prefetch_hits += 1
+        self.counters.hits["device"] = self.counters.hits.get("device", 0) + len(device)
+        blocks = [n.block for n in device]
+        self.pool.incref(blocks)  # type: ignore[arg-type]
+        self.pool.decref(state.blocks)
+        state.blocks = blocks  # type: ignore[assignment]
+        state.num_cached = len(blocks) * self.block_size
+        state.last_logits = None
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def prefix_cache_for(
+    pool: BlockPool, ste: Mapping[str, float], eviction: str | EvictionPolicy = "ste", tiers: Sequence[str] = (),
+    tier_eviction: str | None = None,
+) -> RadixCache:
+    """The radix cache over ``pool``, its eviction policies reading the live steps-to-execution ``ste``,
+    with the slow ``tiers`` (names such as ``"cpu:1GiB"``) behind it."""
+    policy = eviction if isinstance(eviction, EvictionPolicy) else make_policy(eviction, ste)
+    slow = [make_tier(t, pool.shape.bytes_per_block, pool.device, cache_dir() / "tiers") for t in tiers]
+    tier_policy = make_policy(tier_eviction, ste) if tier_eviction else None
+    return RadixCache(pool, policy, slow, tier_policy)
+
+
+def _on_device(path: Sequence[RadixNode]) -> list[RadixNode]:
+    """The leading nodes of ``path`` whose blocks are in the pool."""
+    device = []
+    for node in path:
+        if node.state is not NodeState.DEVICE:
+            break
+        device.append(node)
+    return device

@@ -1,0 +1,222 @@
+"""The request lifecycle: one request from admission to its handle or :class:`~kvbaton.Result`.
+
+A request is a fresh :class:`~.sequence.KVState` (its tokens, and the blocks it shares with its
+parent). The lifecycle admits it (attach the cached prefix, reserve every block it will write),
+computes its uncached tokens through the batching :class:`~.scheduler.Scheduler` (a long prompt in
+chunks sized by the scheduler), runs the decode loop of a generation, and registers the finished
+state in the handle table with its blocks offered to the prefix cache.
+
+Invariants:
+
+- blocks for the whole request are reserved at admission: a request that starts always finishes;
+- forwards and slow-tier loads run WITHOUT the engine lock; the lock is taken per step, never across
+  a ``yield``, so an idle stream consumer cannot block other requests;
+- a request that fails or is abandoned gives every block back; only a finished one is registered.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import torch
+from kvbaton.handle import Handle
+from kvbaton.ops import check_agent
+from kvbaton.stream import TokenStream
+from kvbaton.types import Result, SamplingParams, StreamChunk, Timings
+
+from .detokenizer import Detokenizer
+from .handles import HandleTable
+from .kv_manager import KVManager
+from .loader import LoadedModel
+from .model_runner import Chunk
+from .sampler import make_generator, sample
+from .scheduler import Scheduler
+from .sequence import KVState
+
+
+@dataclass
+class RequestCounters:
+    """Tokens served, for ``Stats``: reused from cache or handles, prefilled, generated; TTFTs per agent."""
+
+    tokens_reused: int = 0
+    tokens_prefilled: int = 0
+    tokens_generated: int = 0
+    ttft: dict[str, list[float]] = field(default_factory=dict)
+
+
+class Lifecycle:
+    def __init__(
+        self, kv: KVManager, scheduler: Scheduler, handles: HandleTable[KVState], loaded: LoadedModel,
+        prefill_chunk: int,
+    ) -> None:
+        self._kv = kv
+        self._lock = kv.lock
+        self._scheduler = scheduler
+        self._handles = handles  # its identity is what published handles carry
+        self._loaded = loaded
+        self.prefill_chunk = prefill_chunk
+        self.counters = RequestCounters()
+
+    # -- admission and registration -------------------------------------------------------------
+    def admit(self, state: KVState, num_tokens: int) -> int:
+        """Attach the cached prefix and reserve blocks up to ``num_tokens``; the tokens reused."""
+        self._kv.attach(state)
+        self._kv.reserve(state, num_tokens)
+        return state.num_cached
+
+    def publish(self, state: KVState) -> Handle:
+        """The public handle of a state."""
+        identity = self._handles.identity
+        assert identity is not None
+        return identity.handle(state.id, state.num_tokens, state.lineage, exact=state.exact_len is None)
+
+    def register(self, state: KVState, reused: int | None = None) -> Handle:
+        """Make a computed state a live handle, its exact blocks offered to the prefix cache.
+        With ``reused``, its prompt's tokens are counted as reused / prefilled."""
+        with self._lock:
+            self._kv.insert(state)
+            if reused is not None:
+                self.count_prefill(reused, state.num_tokens)
+            self._handles.add(state.id, state)
+            return self.publish(state)
+
+    def abandon(self, state: KVState) -> None:
+        """Give back everything a failed or abandoned request held."""
+        with self._lock:
+            self._kv.drop(state)
+            self._handles.discard(state.id)
+
+    def count_prefill(self, reused: int, prompt_len: int) -> None:
+        with self._lock:
+            self.counters.tokens_reused += reused
+            self.counters.tokens_prefilled += prompt_len - reused
+
+    # -- computing --------------------------------------------------------------------------------
+    def compute(self, state: KVState) -> torch.Tensor:
+        """Run the model over the state's uncached tokens (blocks reserved); return last logits.
+
+        Called WITHOUT the engine lock: the work goes through the batching scheduler, chunk by
+        chunk, so other requests' steps are packed into the same forwards.
+        """
+        logits = self.compute_until(state, state.num_tokens)
+        assert logits is not None
+        return logits
+
+    def compute_until(self, state: KVState, until: int) -> torch.Tensor | None:
+        """Like :meth:`compute`, for positions up to ``until`` only (None: nothing was computed)."""
+        logits = state.last_logits if until == state.num_tokens else None
+        if until - state.num_cached <= self.prefill_chunk:  # one chunk: decode steps, short prompts
+            if state.num_cached < until:
+                logits = self._chunk(state, until)
+        else:
+            with self._scheduler.prefilling():
+                while state.num_cached < until:
+                    size = self._scheduler.chunk_tokens(self.prefill_chunk)
+                    logits = self._chunk(state, min(until, state.num_cached + size))
+        state.last_logits = logits if until == state.num_tokens else None
+        return logits
+
+    def logits_after_each(self, state: KVState) -> torch.Tensor:
+        """Next-token logits after each uncached token, in one chunk (blocks reserved): ``[n, vocab]``."""
+        start = state.num_cached
+        return self._scheduler.run(Chunk(list(state.blocks), start, state.token_ids[start:], all_logits=True))
+
+    def _chunk(self, state: KVState, end: int) -> torch.Tensor:
+        start = state.num_cached
+        logits = self._scheduler.run(Chunk(list(state.blocks), start, state.token_ids[start:end]))
+        state.num_cached = end
+        return logits
+
+    # -- whole requests ---------------------------------------------------------------------------
+    def prefill(self, state: KVState, agent: str | None = None) -> Handle:
+        """Prefill a new state and register it; free it again on failure. Call without the lock."""
+        try:
+            check_agent(agent)
+            state.agent = agent
+            reused = self.admit(state, state.num_tokens)
+            self.compute(state)
+            return self.register(state, reused)
+        except BaseException:
+            self.abandon(state)
+            raise
+
+    def stream(self, state: KVState, params: SamplingParams, agent: str | None = None) -> TokenStream:
+        """A generation behind ``state``'s prompt, as a stream; closing it, even unread, frees the state."""
+        try:
+            check_agent(agent)
+        except BaseException:
+            self.abandon(state)
+            raise
+        state.agent = agent
+        chunks = self._decode(state, params, agent)
+        next(chunks)  # run up to the sentinel so that closing the stream, even unread, frees the state
+        return TokenStream(chunks)  # type: ignore[arg-type]
+
+    def _decode(
+        self, state: KVState, params: SamplingParams, agent: str | None = None
+    ) -> Generator[StreamChunk | None, None, Result]:
+        """Prefill the uncached prompt, then generate token by token, yielding text as it becomes final."""
+        prompt_len = state.num_tokens
+        generated: list[int] = []
+        registered = False
+        try:
+            yield None  # sentinel, consumed by stream()
+            t0 = time.perf_counter()
+            # The last generated token is never written: it stays pending for the next user.
+            reused = self.admit(state, prompt_len + params.max_tokens - 1)
+            logits = self.compute(state)
+            with self._lock:
+                self._kv.insert(state)
+                self.count_prefill(reused, prompt_len)
+            rng = make_generator(params, self._loaded.device)
+            detok = Detokenizer(self._loaded.tokenizer, params.stop)
+            ttft = 0.0
+            finish: str | None = None
+            with self._scheduler.decoding():  # lets the scheduler wait for our next step
+                while finish is None:
+                    token = sample(logits, params, rng)
+                    if not generated:
+                        ttft = time.perf_counter() - t0
+                        if agent is not None:
+                            with self._lock:
+                                self.counters.ttft.setdefault(agent, []).append(ttft)
+                    generated.append(token)
+                    state.token_ids.append(token)
+                    state.last_logits = None
+                    delta = detok.add(token)
+                    if detok.stopped or (token in self._loaded.eos_token_ids and not params.ignore_eos):
+                        finish = "stop"
+                    elif len(generated) >= params.max_tokens:
+                        finish = "length"
+                    else:
+                        logits = self.compute(state)
+                    if finish is not None:
+                        delta += detok.flush()
+                    yield StreamChunk(text=delta, token_ids=[token])
+            with self._lock:
+                self._kv.trim(state)
+                last = state.lineage[-1]
+                state.lineage = state.lineage[:-1] + (
+                    last.model_copy(update={"token_ids": last.token_ids + tuple(generated)}),
+                )
+                self.counters.tokens_generated += len(generated)
+                handle = self.register(state)
+                registered = True
+        finally:
+            if not registered:  # error or abandoned stream: give everything back
+                self.abandon(state)
+        return Result(
+            text=detok.text,
+            token_ids=generated,
+            handle=handle,
+            finish_reason=finish,  # type: ignore[arg-type]
+            timings=Timings(
+                ttft_s=ttft,
+                total_s=time.perf_counter() - t0,
+                tokens_reused=reused,
+                tokens_prefilled=prompt_len - reused,
+                tokens_generated=len(generated),
+            ),
+        )
