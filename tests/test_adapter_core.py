@@ -18,6 +18,8 @@ from kvbaton.errors import HandleReleased, InvalidRequest
 from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions
 from kvbaton.stepgraph import StepGraph
 
+pytestmark = pytest.mark.unit
+
 NAMES = ["get_weather", "transfer_to_bob"]
 
 

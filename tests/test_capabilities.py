@@ -61,6 +61,7 @@ def test_the_server_reports_its_engine(server) -> None:
     assert asyncio.run(remote()) == KVBATON
 
 
+@pytest.mark.unit
 def test_sglang_reports_what_it_recomputes_instead_of_correcting() -> None:
     assert SGLANG.engine == "sglang"
     assert SGLANG.resume == SGLANG.fork == "exact"
@@ -97,6 +98,7 @@ def evict_order(table: SteTable, nodes: dict[str, Node]) -> list[str]:
     return sorted(nodes, key=lambda name: table.priority(nodes[name]))
 
 
+@pytest.mark.unit
 def test_a_shared_prefix_takes_the_soonest_of_its_owners() -> None:
     nodes, table = tree(), SteTable()
     table.update({"a": 0, "b": 3, "c": 1})
@@ -105,6 +107,7 @@ def test_a_shared_prefix_takes_the_soonest_of_its_owners() -> None:
     assert evict_order(table, nodes) == ["a_dyn", "b_dyn", "b_own", "c", "a_own", "shared"]
 
 
+@pytest.mark.unit
 def test_the_order_is_kvbatons_own_eviction_policy() -> None:
     nodes, table = tree(), SteTable()
     table.update({"a": 2, "b": 1})
@@ -118,6 +121,7 @@ def test_the_order_is_kvbatons_own_eviction_policy() -> None:
         assert table.priority(node) == policy.priority(View(node))
 
 
+@pytest.mark.unit
 def test_steps_replace_and_running_agents_are_due() -> None:
     table = SteTable(lookahead=1)
     table.update({"a": 0, "b": 3})
@@ -130,6 +134,7 @@ def test_steps_replace_and_running_agents_are_due() -> None:
     assert table.due(lookahead=0) == ["c"]
 
 
+@pytest.mark.unit
 def test_split_nodes_inherit_their_childs_owners() -> None:
     root = Node(None, 0)
     child = Node(root, 1)
@@ -140,6 +145,7 @@ def test_split_nodes_inherit_their_childs_owners() -> None:
     assert owners_of(new_parent) == {"a"}
 
 
+@pytest.mark.unit
 def test_hints_travel_in_the_kv_hints_envelope() -> None:
     hint = WorkflowHint(agent="a", fixed_tokens=12, steps={"b": 2.0, "c": math.inf}, running=("a",))
     envelope = json.loads(json.dumps(make_envelope(hint, "m1")))  # through JSON, as on the wire
@@ -149,6 +155,7 @@ def test_hints_travel_in_the_kv_hints_envelope() -> None:
     assert hints_from_envelope(other) == [] and hints_from_envelope(None) == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("payload", [{"steps": {"a": -1}}, {"steps": {"": 1}}, {"fixed_tokens": -1}, {"agnet": "a"}])
 def test_invalid_hints_are_rejected(payload: dict) -> None:
     with pytest.raises(HintError):
@@ -158,6 +165,7 @@ def test_invalid_hints_are_rejected(payload: dict) -> None:
 # -- engine="sglang" without SGLang ---------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_kv_budgets_become_sglang_token_counts() -> None:
     config = {"num_hidden_layers": 30, "num_key_value_heads": 3, "num_attention_heads": 9, "hidden_size": 576}
     per_token = 2 * 30 * 3 * 64 * 2
@@ -168,6 +176,7 @@ def test_kv_budgets_become_sglang_token_counts() -> None:
         kv_tokens_for_budget("lots", config)
 
 
+@pytest.mark.unit
 def test_connect_to_sglang_needs_a_checkpoint_and_sglang(tmp_path) -> None:
     with pytest.raises(InvalidRequest, match="model="):
         kvbaton.connect(engine="sglang")
@@ -183,6 +192,7 @@ def test_connect_to_sglang_needs_a_checkpoint_and_sglang(tmp_path) -> None:
             kvbaton.connect(engine="sglang", model=str(tmp_path))
 
 
+@pytest.mark.unit
 def test_serve_with_sglang_refuses_without_a_model(capsys) -> None:
     assert cli_main(["serve", "--engine", "sglang", "--port", "1"]) == 2
     assert "needs model=" in capsys.readouterr().err

@@ -123,6 +123,7 @@ def test_pool_exhausted_is_typed_and_leaves_pool_intact():
     assert small.stats().blocks_used == 0
 
 
+@pytest.mark.unit
 def test_missing_model_says_what_to_install(tmp_path):
     with pytest.raises(ModelNotFound, match="never downloads"):
         Engine(model="HuggingFaceTB/SmolLM2-1.7B")

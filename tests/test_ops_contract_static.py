@@ -14,6 +14,8 @@ import inspect
 import pytest
 from kvbaton.ops import OPERATORS, STREAM_OPERATORS, EngineOps, KVOps
 
+pytestmark = pytest.mark.unit
+
 IMPLEMENTATIONS = [
     ("kvbaton.backend.engine", "Engine"),
     ("kvbaton.backend.cluster", "Cluster"),

@@ -10,6 +10,7 @@ from kvbaton.backend.block_pool import BlockPool, PoolShape, blocks_for_budget
 SHAPE = PoolShape(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
 
 
+@pytest.mark.unit
 def test_pool_refcounts_and_lowest_first_allocation():
     pool = BlockPool(SHAPE, 6)
     a = pool.allocate(3)
@@ -23,6 +24,7 @@ def test_pool_refcounts_and_lowest_first_allocation():
     assert pool.allocate(2) == [0, 1]
 
 
+@pytest.mark.unit
 def test_pool_refuses_to_overallocate_atomically():
     pool = BlockPool(SHAPE, 2)
     pool.allocate(1)
@@ -31,6 +33,7 @@ def test_pool_refuses_to_overallocate_atomically():
     assert pool.num_free == 1
 
 
+@pytest.mark.unit
 def test_slots_are_views_for_consecutive_blocks_and_indices_otherwise():
     pool = BlockPool(SHAPE, 8)
     assert pool.slots([2, 3, 4], 1, 10) == slice(9, 18)
@@ -38,6 +41,7 @@ def test_slots_are_views_for_consecutive_blocks_and_indices_otherwise():
     assert idx.tolist() == [22, 23, 4, 5, 6, 7, 24]
 
 
+@pytest.mark.unit
 def test_copy_block_copies_every_layer():
     pool = BlockPool(SHAPE, 2)
     pool.k[:, :, 0:4] = torch.arange(32, dtype=torch.float32).reshape(2, 1, 4, 4)
@@ -45,6 +49,7 @@ def test_copy_block_copies_every_layer():
     assert torch.equal(pool.k[:, :, 4:7], pool.k[:, :, 0:3])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("budget", "blocks"), [(1000, 10), ("1KiB", 10), ("2 kb", 20), ("3 blocks", 3), ("1.5MB", 15000)]
 )
@@ -52,6 +57,7 @@ def test_budget_parsing(budget, blocks):
     assert blocks_for_budget(budget, 100) == blocks
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("budget", ["lots", "-1MiB", "5 parsecs", "blocks", True])
 def test_bad_budgets(budget):
     with pytest.raises(InvalidRequest):
@@ -85,6 +91,7 @@ def test_detokenizer_holds_back_partial_stop_strings(engine):
     assert detok.stopped and out + detok.flush() == "abc "
 
 
+@pytest.mark.unit
 def test_auto_dtype_picks_native_bf16_only():
     from pathlib import Path
 
