@@ -43,7 +43,8 @@ from kvbaton import SamplingParams
 from kvbaton.bench import record
 from kvbaton.bench.common import format_table
 from kvbaton.bench.corpus import document
-from kvbaton.bench.spread import cell, measured
+from kvbaton.bench import spread
+from kvbaton.bench.spread import cell
 from tqdm.auto import tqdm
 
 METHODS: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -170,7 +171,7 @@ def run(
             m = per[name]
             ttft = statistics.mean(m["ttft"])
             pool_bytes = engine.anchor_pool(cfg).nbytes if cfg is not None else 0
-            row = measured({
+            row = spread.measured({  # (`measured` below is the warm-up flag)
                 "shared_tokens": length,
                 "method": name,
                 "trajectories": trajectories,

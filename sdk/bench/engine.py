@@ -194,6 +194,22 @@ def table(payload: dict[str, Any]) -> str:
     return format_table(columns, rows)
 
 
+def notes(payload: dict[str, Any]) -> list[str]:
+    """The lines under the table: kernels, greedy agreement, the weights-read floor."""
+    out = [f"decode kernels: {payload['kernels']}"]
+    for dtype, value in payload["greedy_agreement_vs_transformers"].items():
+        out.append(f"greedy agreement with transformers ({dtype}): {value:.1%} of tokens before the first difference")
+    for dtype, pair in payload["greedy_agreement_vs_fp32_transformers"].items():
+        out.append(f"greedy agreement with fp32 transformers ({dtype}): kvbaton {pair['kvbaton']:.1%}, "
+                   f"transformers {pair['transformers']:.1%}")
+    for dtype, ms in payload["weights_read_floor_ms"].items():
+        if ms is not None:
+            runs = (payload.get("weights_read_floor_runs_ms") or {}).get(dtype) or [ms]
+            out.append(f"weights-read floor ({dtype}): {ms:.1f} ms per decode step, median of {len(runs)} "
+                       f"[{min(runs):.1f}–{max(runs):.1f}] (one row through every decode matrix)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvbaton.bench engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -208,13 +224,5 @@ def main(argv: list[str] | None = None) -> None:
         payload = run(tuple(args.dtypes), args.steps, repeats=args.repeats, concurrency=tuple(args.concurrency))
         path = rec.write(payload)
     print(table(payload))
-    print(f"decode kernels: {payload['kernels']}")
-    for dtype, value in payload["greedy_agreement_vs_transformers"].items():
-        print(f"greedy agreement with transformers ({dtype}): {value:.1%} of tokens before the first difference")
-    for dtype, pair in payload["greedy_agreement_vs_fp32_transformers"].items():
-        print(f"greedy agreement with fp32 transformers ({dtype}): kvbaton {pair['kvbaton']:.1%}, "
-              f"transformers {pair['transformers']:.1%}")
-    for dtype, ms in payload["weights_read_floor_ms"].items():
-        if ms is not None:
-            print(f"weights-read floor ({dtype}): {ms:.1f} ms per decode step (one row through every decode matrix)")
+    print("\n".join(notes(payload)))
     print(f"\nwritten: {path}")

@@ -14,7 +14,7 @@ the benchmark's own payload (its ``rows``, with the raw repeats and min/median/m
 - ``load``: 1/5/15-minute load averages before and after, the highest 1-minute average seen while
   it ran, and ``overloaded`` when that exceeded the core count (the numbers are then suspect);
 - ``memory``: process peak RSS (``ru_maxrss`` and ``VmHWM``; of this process, its whole life, model
-  load included; children separately), and ``peak_kv_bytes``: the KV pool high-water mark sampled
+  load included; waited-for children separately, an upper bound), and ``peak_kv_bytes``: the KV pool high-water mark sampled
   every ``SAMPLE_S`` while the benchmark ran (the sum over the engines it watched; None when the
   benchmark's engines live in other processes and were not watched).
 
@@ -65,17 +65,23 @@ def new_run_id(short_commit: str | None, when: dt.datetime | None = None) -> str
     return f"{when.strftime('%Y%m%dT%H%M%SZ')}-{short_commit or 'nogit'}"
 
 
-def process_memory() -> dict[str, int | None]:
-    """Peak resident memory of this process (two sources) and of its waited-for children, in bytes."""
-    kib = 1024  # ru_maxrss is in KiB on Linux
-    hwm = None
+def vm_hwm_bytes(pid: int | str = "self") -> int | None:
+    """A process's peak resident memory (``VmHWM`` of /proc/<pid>/status), None where unreadable."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
-                hwm = int(line.split()[1]) * kib
+                return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib, "vm_hwm_bytes": hwm,
+    return None
+
+
+def process_memory() -> dict[str, int | None]:
+    """Peak resident memory of this process (two sources) and of its waited-for children, in bytes.
+    The children's figure is an upper bound: on Linux a forked child counts the parent's pages until
+    it execs, so it is at least this process's RSS at the fork."""
+    kib = 1024  # ru_maxrss is in KiB on Linux
+    return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib, "vm_hwm_bytes": vm_hwm_bytes(),
             "children_peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib or None}
 
 

@@ -108,23 +108,23 @@ def run_header(rec: Record, stale: str) -> str:
     flags = ", ".join(m.get("cpu_flags") or []) or "no AVX2/AVX512 flags read"
     gib = f", {m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else ""
     lines = [
-        f"Measured in {provenance(rec, stale)}, {rec.get('date', '?')}, {rec.get('wall_s', 0) / 60:.1f} minutes: "
+        f"- Measured in {provenance(rec, stale)}, {rec.get('date', '?')}, {rec.get('wall_s', 0) / 60:.1f} minutes: "
         f"`{shlex.join(rec.get('command') or [])}`.",
-        f"Machine: {m.get('cpu', '?')} ({flags}), {m.get('cores', '?')} cores{gib}, torch {m.get('torch', '?')} "
+        f"- Machine: {m.get('cpu', '?')} ({flags}), {m.get('cores', '?')} cores{gib}, torch {m.get('torch', '?')} "
         f"with {m.get('torch_threads', '?')} threads, Python {m.get('python', '?')}; "
         f"dtype {', '.join(rec.get('dtypes') or ['?'])}.",
     ]
     if load:
-        text = (f"Load average (1/5/15 min) before {' / '.join(map(str, load['before']))}, after "
+        text = (f"- Load average (1/5/15 min) before {' / '.join(map(str, load['before']))}, after "
                 f"{' / '.join(map(str, load['after']))}, highest 1-minute value during the run {load['max_1min_during']}")
         text += (f": **above the {load['cores']} cores, other work competed with this run; treat its times as suspect.**"
                  if load.get("overloaded") else f" (within the {load['cores']} cores).")
         lines.append(text)
     if mem:
         kv = mem.get("peak_kv_bytes")
-        lines.append(f"Memory: process peak RSS {_mib(mem.get('peak_rss_bytes'))} (VmHWM {_mib(mem.get('vm_hwm_bytes'))}"
-                     + (f", child processes {_mib(mem['children_peak_rss_bytes'])}" if mem.get("children_peak_rss_bytes")
-                        else "") + "); KV pool high-water mark "
+        lines.append(f"- Memory: process peak RSS {_mib(mem.get('peak_rss_bytes'))} (VmHWM {_mib(mem.get('vm_hwm_bytes'))}"
+                     + (f", child processes at most {_mib(mem['children_peak_rss_bytes'])}"
+                        if mem.get("children_peak_rss_bytes") else "") + "); KV pool high-water mark "
                      + (f"{_mib(kv)} (sampled every 50 ms)" if kv is not None else "not sampled in this process") + ".")
     return "\n".join(lines)
 
@@ -148,6 +148,9 @@ def section(name: str, rec: Record | None, stale: str) -> str:
         return not_measured(name)
     parts = [run_header(rec, stale), "", "Median of the repeats, [min–max] beside it; ratios are ratios of medians.",
              "", table_of(name, rec)]
+    extra = getattr(importlib.import_module(SECTIONS[name][0]), "notes", None)
+    if extra is not None:  # a benchmark's lines under its table (engine: kernels, agreement, floor)
+        parts += ["", *(f"- {line}" for line in extra(rec))]
     found = targets(rec)
     if found:
         parts += ["", *(t.line() for t in found)]

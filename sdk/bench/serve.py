@@ -11,8 +11,8 @@ different questions over one shared context (system prompt with a document).
 TTFT is measured on the client: request sent to first streamed chunk received. Each level runs
 ``--repeats`` times on the same server; the record keeps every repeat's req/s, tokens/s, p50 and
 p99 TTFT, tables show median [min–max], ratios are ratios of medians. The engine lives in the
-server process, so the record's ``peak_kv_bytes`` is not sampled; the server's peak RSS is the
-record's ``children_peak_rss_bytes``.
+server process, so the record's ``peak_kv_bytes`` is not sampled; ``server_peak_rss_bytes`` is
+each server's peak RSS (``VmHWM``, read before it is stopped).
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ def run(levels: tuple[int, ...] = (1, 8, 32), context_words: int = 400, max_toke
         kv_budget: str = "1GiB", repeats: int = 3) -> dict[str, Any]:
     system = {"role": "system", "content": "You answer questions about these meeting notes.\n" + document(context_words)}
     rows = []
+    server_rss: dict[str, int | None] = {}
     for reuse in (True, False):
         proc, url = _start_server(reuse, kv_budget)
         try:
@@ -134,6 +135,7 @@ def run(levels: tuple[int, ...] = (1, 8, 32), context_words: int = 400, max_toke
                     measured(row, key, [r[key] for r in runs])
                 rows.append(row)
         finally:
+            server_rss["on" if reuse else "off"] = record.vm_hwm_bytes(proc.pid)
             proc.terminate()
             proc.wait(timeout=30)
     by = {(r["reuse"], r["clients"]): r for r in rows}
@@ -142,7 +144,7 @@ def run(levels: tuple[int, ...] = (1, 8, 32), context_words: int = 400, max_toke
         on["throughput_vs_off"] = on["requests_per_s"] / off["requests_per_s"]
         on["ttft_p50_vs_off"] = off["ttft_p50_s"] / on["ttft_p50_s"]
     return {"benchmark": "serve", "context_words": context_words, "max_tokens": max_tokens, "repeats": repeats,
-            "rows": rows}
+            "server_peak_rss_bytes": server_rss, "rows": rows}
 
 
 def table(payload: dict[str, Any]) -> str:
