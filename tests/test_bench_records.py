@@ -245,3 +245,25 @@ def test_ttft_benchmark_writes_one_record_with_every_repeat(tmp_path):
         assert low <= row[key] <= high
     assert rec["memory"]["peak_kv_bytes"] > 0 and rec["memory"]["peak_rss_bytes"] > 0
     assert rec["load"]["cores"] == rec["machine"]["cores"]
+
+
+# -- the cost model's fit and its error (what the transfer benchmark reports) ----------------------
+
+
+@pytest.mark.unit
+def test_prefill_line_is_a_least_squares_fit_and_refits_online_from_observed_prefills():
+    from kvbaton.backend.costmodel import Calibration, CostModel, fit_line, prediction_error
+
+    points = [(float(n), 0.05 + 0.004 * n) for n in (32, 128, 512, 1024, 2048)]
+    fixed, per_token = fit_line(points)
+    assert fixed == pytest.approx(0.05) and per_token == pytest.approx(0.004)
+    assert prediction_error(0.195, 0.6) == pytest.approx(0.195 / 0.6 - 1)
+    assert prediction_error(None, 0.6) is None and prediction_error(0.1, 0.0) is None
+
+    costs = CostModel(Calibration(1e-4, 1e9, 0.0, {1: 0.01}, {1: 0.001}))
+    assert not costs.observe_prefill(1, 0, 1.0)  # nothing prefilled: not a point
+    for n in (100, 110, 120, 130):  # four points, but all of one length: the line stays
+        assert not costs.observe_prefill(1, n, 0.05 + 0.004 * n)
+    assert costs.predict_recompute(1, 2000) == pytest.approx(0.01 + 0.001 * 2000)
+    assert costs.observe_prefill(1, 2000, 0.05 + 0.004 * 2000)  # now they span the lengths: refitted
+    assert costs.predict_recompute(1, 1000) == pytest.approx(0.05 + 0.004 * 1000)
