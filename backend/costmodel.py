@@ -9,6 +9,13 @@ as ``fixed + per_token * L``. For a handle of ``L`` tokens whose K/V take ``byte
 
 and the cheaper one is chosen (AAFLOW+'s rule). Every decision is kept with its predicted times
 and the time it actually took, and reported in the cluster stats.
+
+The prefill line is a least-squares fit (:func:`fit_line`) over probes of a spread of prompt
+lengths (``PREFILL_PROBE_TOKENS``): two short probes under-predict long prompts, whose attention
+grows faster than linearly. :meth:`CostModel.observe_prefill` refits it online from observed
+prefills (the last ``MAX_OBSERVED`` per worker, once they span ``MIN_SPAN`` x in length), so the
+line follows the lengths a workload really has. :func:`prediction_error` is how predictions are
+scored (benchmarks report it).
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ log = logging.getLogger(__name__)
 
 MAX_DECISIONS = 256
 CACHE_MAX_AGE_S = 7 * 24 * 3600
+# Probe lengths for calibrating a worker's prefill line: a spread up to a long prompt.
+PREFILL_PROBE_TOKENS = (32, 128, 512, 1024)
+MAX_OBSERVED = 64
+MIN_OBSERVED = 4
+MIN_SPAN = 4.0  # longest / shortest observed prompt before the observations alone define the line
 
 
 @dataclass
@@ -61,6 +73,14 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(my - b * mx, 0.0), b
 
 
+def prediction_error(predicted: float | None, actual: float) -> float | None:
+    """Relative error of a prediction, ``predicted / actual - 1`` (-0.5: predicted half the time);
+    None when nothing was predicted or nothing measurable took place."""
+    if predicted is None or actual <= 0:
+        return None
+    return predicted / actual - 1.0
+
+
 class CostModel:
     """Predictions from a :class:`Calibration`, and the log of decisions taken with them."""
 
@@ -70,6 +90,23 @@ class CostModel:
         self.decisions: deque[PlacementDecision] = deque(maxlen=MAX_DECISIONS)
         self.transfers = 0
         self.recomputes = 0
+        self._observed: dict[int, deque[tuple[float, float]]] = {}
+
+    def observe_prefill(self, rank: int, tokens: int, seconds: float) -> bool:
+        """Record one measured prefill of ``tokens`` new tokens on worker ``rank``; once the
+        observations span enough lengths, refit that worker's prefill line from them. True when the
+        line was refitted. (Callers pass the tokens really prefilled: cached ones excluded.)"""
+        if tokens <= 0 or seconds <= 0:
+            return False
+        with self._lock:
+            points = self._observed.setdefault(rank, deque(maxlen=MAX_OBSERVED))
+            points.append((float(tokens), seconds))
+            lengths = [x for x, _ in points]
+            c = self.calibration
+            if c is None or len(points) < MIN_OBSERVED or max(lengths) < MIN_SPAN * min(lengths):
+                return False
+            c.prefill_fixed_s[rank], c.prefill_per_token_s[rank] = fit_line(list(points))
+            return True
 
     def predict_transfer(self, nbytes: int) -> float | None:
         c = self.calibration

@@ -292,6 +292,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     from kvbaton.bench.__main__ import BENCHMARKS
 
     names = {"all": "every registered benchmark plus the experiment summary (--quick, --only, --skip, --list)",
+             "report": "regenerate docs/results.md and the README headline from the committed records",
              **{name: text for name, (_, text) in BENCHMARKS.items()}}
     parser.add_argument("name", choices=list(names), metavar="NAME",
                         help="; ".join(f"{name}: {text}" for name, text in names.items()))
@@ -302,6 +303,10 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from kvbaton.bench import suite
 
+    if args.name == "report":
+        from kvbaton.bench.report import main as report
+
+        return report(list(args.args))
     if args.name == "all":
         parser = argparse.ArgumentParser(prog="kvbaton bench all", description=suite.__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,10 +317,12 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_help(args.name, rest)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--results-dir", default="results")
+    pre.add_argument("--run-id", default=None)
     known, rest = pre.parse_known_args(rest)
-    outcome = suite.run_one(args.name, suite.registry()[args.name][0], Path(known.results_dir), False, rest)
+    outcome = suite.run_one(args.name, suite.registry()[args.name][0], Path(known.results_dir), False, rest,
+                            run_id=known.run_id)
     print(f"{args.name}: {outcome.status}" + (f" ({outcome.note})" if outcome.note else "")
-          + (f"; written: {', '.join(outcome.files)}" if outcome.files else ""))
+          + (f"; written to {outcome.run_dir}: {', '.join(outcome.files)}" if outcome.files else ""))
     return 0 if outcome.status == "ok" else 1
 
 

@@ -98,11 +98,13 @@ def test_bench_all_quick_writes_json_png_and_summary(tmp_path, monkeypatch, caps
     monkeypatch.setattr(branching, "QUICK_ARGS", ["--branches", "2", "--context-tokens", "32", "--depth", "1",
                                                   "--max-tokens", "1"])
     assert cli(["bench", "all", "--quick", "--only", "branching", "--results-dir", str(tmp_path)]) == 0
-    assert (tmp_path / "branching.png").stat().st_size > 0
-    payload = json.loads((tmp_path / "branching.json").read_text())
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]  # one run id for the whole suite
+    assert (run_dir / "branching.png").stat().st_size > 0
+    payload = json.loads((run_dir / "branching.json").read_text())
+    assert payload["run_id"] == run_dir.name and payload["quick"] is True
     (row,) = payload["rows"]
     assert row["branches"] == 2 and row["copies_kv_blocks"] >= row["forks_kv_blocks"]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     status = {o["name"]: o["status"] for o in summary["outcomes"]}
     assert status["branching"] == "ok" and status["ttft"] == "skipped"
     experiments = {e["benchmark"]: e["experiment"] for e in summary["experiments"]}

@@ -10,17 +10,18 @@ what is measured is pure Python around the call. A supervisor-style LangGraph gr
 - ``wrapped``: the same, graph wrapped by ``kvbaton.adapters.langgraph.wrap`` (callback, step
   tracking, STE hints before each step, learning wildcard routes, fixed-prompt registration).
 
-Overhead per LLM call = (variant - direct) / calls. Target: ``wrapped`` <= 2 ms.
+Overhead per LLM call = (variant - direct) / calls, from the medians over ``--repeats`` graph
+runs (every run's ms per call is in the record, with min/median/max). Target: ``wrapped`` <= 2 ms.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, TypedDict
 
+from kvbaton.bench.spread import cell, measured
 from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions
 from kvbaton.stream import TokenStream
 from kvbaton.types import AgentInfo, Result, StreamChunk, Timings
@@ -161,9 +162,12 @@ def run(repeats: int = 200) -> dict[str, Any]:
             t = time.perf_counter()
             app.invoke(inputs)
             times[name].append(time.perf_counter() - t)
-    per_call = {k: statistics.median(v) / LLM_CALLS_PER_RUN * 1e3 for k, v in times.items()}
+    rows = [measured({"variant": k}, "ms_per_call", [t / LLM_CALLS_PER_RUN * 1e3 for t in v]) for k, v in times.items()]
+    per_call = {r["variant"]: r["ms_per_call"] for r in rows}
     hints_per_run = len(client.hint_calls) / (repeats + 1)
     return {
+        "benchmark": "adapter_overhead",
+        "rows": rows,
         "repeats": repeats,
         "llm_calls_per_run": LLM_CALLS_PER_RUN,
         "hints_per_run": hints_per_run,
@@ -176,23 +180,31 @@ def run(repeats: int = 200) -> dict[str, Any]:
     }
 
 
+def table(payload: dict[str, Any]) -> str:
+    from kvbaton.bench.common import format_table  # torch, which the adapter tests using this module do not need
+
+    return format_table(["variant", "ms per LLM call (graph time / calls)"],
+                        [[r["variant"], cell(r, "ms_per_call")] for r in payload["rows"]])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvbaton.bench adapter_overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=200, help="timed graph runs per variant (median reported)")
-    parser.add_argument("--results-dir", default="results")
-    args = parser.parse_args(argv)
-    from kvbaton.bench.common import format_table, machine_info, write_results
+    parser.add_argument("--repeats", type=int, default=200,
+                        help="timed graph runs per variant (all kept; median [min–max] reported)")
+    from kvbaton.bench import record
 
-    payload = run(args.repeats)
-    payload["machine"] = machine_info()
-    rows = [[k, v] for k, v in payload["ms_per_call"].items()]
-    print(format_table(["variant", "ms per LLM call (graph time / calls)"], rows))
+    record.add_arguments(parser, "adapter_overhead")
+    args = parser.parse_args(argv)
+    with record.Recording.from_args("adapter_overhead", args, argv) as rec:
+        payload = run(args.repeats)
+        path = rec.write(payload)
+    print(table(payload))
     o = payload["overhead_ms_per_call"]
     print(f"\nadapter overhead per LLM call: {o['adapter_total']:.3f} ms "
           f"(chat model {o['model_vs_direct']:.3f} ms + wrap/hints {o['wrap_vs_model']:.3f} ms; "
           f"{payload['hints_per_run']:.0f} hints per run); target <= 2 ms")
-    print(f"written: {write_results(args.results_dir, 'adapter_overhead', payload)}")
+    print(f"written: {path}")
 
 
 if __name__ == "__main__":

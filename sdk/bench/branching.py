@@ -9,9 +9,11 @@ the end (a search that may backtrack), so the KV held at the end is the search's
 (b) forks: the root is materialized once and each level ``fork``s the current node b ways (zero
     copy); a branch adds only its suffix and thought.
 
-Reported per b: KV held (MiB, blocks), its ratio, the ideal fork footprint (blocks of the context
-once plus each branch's own blocks, its first one a copy of the parent's partly filled block),
-tokens prefilled and wall time.
+Reported per b, over ``--repeats`` searches of each (median [min–max]; every repeat in the record):
+the KV pool's high-water mark sampled every 50 ms during the search (``peak``, measured) and its
+ratio; the KV held at the end in blocks and bytes (``held``: block arithmetic, blocks x bytes per
+block); the ideal fork footprint (blocks of the context once plus each branch's own blocks, its
+first one a copy of the parent's partly filled block); tokens prefilled and wall time.
 """
 
 from __future__ import annotations
@@ -22,17 +24,20 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvbaton import SamplingParams
-from kvbaton.bench.common import format_table, machine_info, write_results
+from kvbaton.bench import record
+from kvbaton.bench.common import format_table
 from kvbaton.bench.corpus import document
+from kvbaton.bench.spread import cell, measured
 from tqdm.auto import tqdm
 
 DEFAULT_BRANCHES = (1, 2, 4, 8, 16)
-QUICK_ARGS = ["--branches", "1", "2", "--context-tokens", "96", "--depth", "1", "--max-tokens", "2"]
+QUICK_ARGS = ["--branches", "1", "2", "--context-tokens", "96", "--depth", "1", "--max-tokens", "2", "--repeats", "1"]
 
 
 def _search(engine: Any, b: int, depth: int, context: list[int], params: SamplingParams,
             forks: bool) -> dict[str, Any]:
     before = engine.stats()
+    sampled = record.PeakSampler({"pool": record.pool_bytes(engine)}).start()
     start = time.perf_counter()
     alive: list[Any] = []
     node = engine.materialize(context) if forks else None
@@ -62,46 +67,55 @@ def _search(engine: Any, b: int, depth: int, context: list[int], params: Samplin
         node = results[0].handle if forks else None
     wall = time.perf_counter() - start
     after = engine.stats()
+    sampled.stop()
     engine.release(alive)
     ideal = -(-len(context) // block) + branch_blocks  # the context once, then each branch's own blocks
-    return {"wall_s": wall, "kv_bytes": after.pool_bytes_used, "kv_blocks": after.blocks_used,
+    return {"wall_s": wall, "peak_kv_bytes": sampled.total, "held_kv_bytes": after.pool_bytes_used,
+            "kv_blocks": after.blocks_used,
             "tokens_prefilled": after.tokens_prefilled - before.tokens_prefilled, "ideal_fork_blocks": ideal,
             "bytes_per_block": after.bytes_per_block}
 
 
 def run(branches: tuple[int, ...] = DEFAULT_BRANCHES, context_tokens: int = 1024, depth: int = 2,
-        max_tokens: int = 8) -> dict[str, Any]:
+        max_tokens: int = 8, repeats: int = 2) -> dict[str, Any]:
     from kvbaton.backend import Engine
 
     engine = Engine(kv_budget="2GiB", prefix_cache=False)
+    record.watch_kv("engine", record.pool_bytes(engine))
     context = engine.tokenize(document(int(context_tokens * 0.9) + 100, seed=31))[:context_tokens]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for b in tqdm(branches, desc="branching", unit="b"):
-        copies = _search(engine, b, depth, context, params, forks=False)
-        forks = _search(engine, b, depth, context, params, forks=True)
-        rows.append({
-            "branches": b,
-            "depth": depth,
-            "copies_kv_bytes": copies["kv_bytes"], "forks_kv_bytes": forks["kv_bytes"],
-            "copies_kv_blocks": copies["kv_blocks"], "forks_kv_blocks": forks["kv_blocks"],
-            "forks_ideal_blocks": forks["ideal_fork_blocks"],
-            "kv_copies_over_forks": copies["kv_bytes"] / max(forks["kv_bytes"], 1),
-            "copies_prefilled": copies["tokens_prefilled"], "forks_prefilled": forks["tokens_prefilled"],
-            "copies_wall_s": copies["wall_s"], "forks_wall_s": forks["wall_s"],
-        })
+        runs: dict[str, list[dict[str, Any]]] = {"copies": [], "forks": []}
+        for _ in range(repeats):  # alternating, so drift hits both sides alike
+            runs["copies"].append(_search(engine, b, depth, context, params, forks=False))
+            runs["forks"].append(_search(engine, b, depth, context, params, forks=True))
+        row: dict[str, Any] = {"branches": b, "depth": depth}
+        for side, searches in runs.items():
+            measured(row, f"{side}_peak_kv_bytes", [x["peak_kv_bytes"] for x in searches])
+            measured(row, f"{side}_wall_s", [x["wall_s"] for x in searches])
+            last = searches[-1]  # deterministic: the same in every repeat
+            row[f"{side}_held_kv_bytes"] = last["held_kv_bytes"]
+            row[f"{side}_kv_blocks"] = last["kv_blocks"]
+            row[f"{side}_prefilled"] = last["tokens_prefilled"]
+        row["forks_ideal_blocks"] = runs["forks"][-1]["ideal_fork_blocks"]
+        row["kv_copies_over_forks"] = row["copies_peak_kv_bytes"] / max(row["forks_peak_kv_bytes"], 1)
+        rows.append(row)
     assert engine.stats().blocks_used == 0
     return {"benchmark": "branching", "model": engine.loaded.name, "context_tokens": len(context), "depth": depth,
-            "max_tokens": max_tokens, "machine": machine_info(), "rows": rows}
+            "max_tokens": max_tokens, "repeats": repeats, "bytes_per_block": engine.stats().bytes_per_block,
+            "rows": rows}
 
 
 def table(payload: dict[str, Any]) -> str:
     mib = 1024 * 1024
-    columns = ["branches", "copies KV MiB", "forks KV MiB", "ratio", "forks blocks", "ideal blocks",
-               "copies prefilled", "forks prefilled", "copies s", "forks s"]
-    rows = [[r["branches"], r["copies_kv_bytes"] / mib, r["forks_kv_bytes"] / mib, f"{r['kv_copies_over_forks']:.1f}x",
+    columns = ["branches", "copies peak KV MiB", "forks peak KV MiB", "ratio", "held at end MiB (copies / forks)",
+               "forks blocks", "ideal blocks", "copies prefilled", "forks prefilled", "copies s", "forks s"]
+    rows = [[r["branches"], cell(r, "copies_peak_kv_bytes", 1, 1 / mib), cell(r, "forks_peak_kv_bytes", 1, 1 / mib),
+             f"{r['kv_copies_over_forks']:.1f}x",
+             f"{r['copies_held_kv_bytes'] / mib:.1f} / {r['forks_held_kv_bytes'] / mib:.1f}",
              r["forks_kv_blocks"], r["forks_ideal_blocks"], r["copies_prefilled"], r["forks_prefilled"],
-             r["copies_wall_s"], r["forks_wall_s"]] for r in payload["rows"]]
+             cell(r, "copies_wall_s"), cell(r, "forks_wall_s")] for r in payload["rows"]]
     return format_table(columns, rows)
 
 
@@ -113,8 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth", type=int, default=2, help="levels expanded (default 2)")
     parser.add_argument("--context-tokens", type=int, default=1024, help="root context length (default 1024)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per thought (default 8)")
-    parser.add_argument("--results-dir", default="results", help="where branching.json is written")
+    parser.add_argument("--repeats", type=int, default=2, help="searches per b and side (default 2; all kept)")
+    record.add_arguments(parser, "branching")
     args = parser.parse_args(argv)
-    payload = run(tuple(args.branches), args.context_tokens, args.depth, args.max_tokens)
-    print(table(payload))
-    print(f"\nwritten: {write_results(args.results_dir, 'branching', payload)}")
+    with record.Recording.from_args("branching", args, argv) as rec:
+        payload = run(tuple(args.branches), args.context_tokens, args.depth, args.max_tokens, args.repeats)
+        print(table(payload))
+        print(f"\nwritten: {rec.write(payload)}")

@@ -1,4 +1,8 @@
-"""Helpers shared by the benchmark scripts: machine facts, tables, JSON results."""
+"""Helpers shared by the benchmark scripts: machine facts, threads, timing, tables.
+
+Records of runs (what a benchmark writes) are :mod:`kvbaton.bench.record`; ``write_results`` stays
+for scripts that write a plain JSON file.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import datetime as dt
 import json
 import os
 import platform
-import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,10 +33,19 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    memory = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory = int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "cpu": cpu,
         "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_bytes": memory,
         "cpu_flags": flags,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -69,14 +81,15 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
-def median_time(fn: Callable[[], Any], repeats: int, cleanup: Callable[[Any], None] | None = None) -> float:
+def repeat_times(fn: Callable[[], Any], repeats: int, cleanup: Callable[[Any], None] | None = None) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` (``cleanup`` gets each call's result, untimed)."""
     times = []
     for _ in range(repeats):
         seconds, out = timed(fn)
         times.append(seconds)
         if cleanup is not None:
             cleanup(out)
-    return statistics.median(times)
+    return times
 
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

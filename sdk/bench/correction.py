@@ -21,19 +21,30 @@ any reference prefill, correction and dense fallback, up to the first token's lo
 agreement, greedy agreement over 32 tokens and mean KL against the dense method's handle of the same
 tokens, the reuse ratio (segment tokens not prefilled), the outcomes, and the anchor-pool memory.
 The prefix cache is flushed before each method's turn, so no method finds another's work.
+
+Every reusing-agent prompt is one repeat: the record keeps each prompt's TTFT, first-token
+agreement, greedy agreement, KL and margin, the rows give TTFT min/median/max beside the mean, and
+``configs`` holds every method's effective ``CorrectionConfig`` (``default_gate`` says whether the
+gated method ran at the default gate). ``margin_analysis`` is a simulation from the ungated
+method's margins, not a measurement: docs never publish it as a result.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvbaton import SamplingParams
-from kvbaton.bench.common import format_table, machine_info, write_results
+from kvbaton.bench import record
+from kvbaton.bench.common import format_table
 from kvbaton.bench.corpus import document
+from kvbaton.bench import spread
+from kvbaton.bench.spread import cell
 from tqdm.auto import tqdm
 
 METHODS: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -71,12 +82,14 @@ def run(
     note_tokens: int = 16,
     gate: dict[str, Any] | None = None,
     warmup: int = 4,
-    results_dir: str | None = None,
+    on_length: Callable[[dict[str, Any]], None] | None = None,
     only: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from kvbaton.backend import Engine
+    from kvbaton.backend.correction import CorrectionConfig
 
     engine = Engine(kv_budget="8GiB")
+    record.watch_kv("engine", record.pool_bytes(engine))
     system = {
         a: engine.chat_tokens([{"role": "system", "content": s}], add_generation_prompt=False) for a, s in SYSTEMS.items()
     }
@@ -89,6 +102,9 @@ def run(
         name: (mode, None if cfg is None else {**(gate or {}), **cfg})
         for name, (mode, cfg) in METHODS.items() if not only or name in only or name == "dense"
     }
+    configs = {name: None if cfg is None else dataclasses.asdict(CorrectionConfig(**cfg))
+               for name, (_, cfg) in methods.items()}
+    default = dataclasses.asdict(CorrectionConfig())
     rows: list[dict[str, Any]] = []
     samples: dict[str, Any] = {}
     for length in lengths:
@@ -155,11 +171,12 @@ def run(
             m = per[name]
             ttft = statistics.mean(m["ttft"])
             pool_bytes = engine.anchor_pool(cfg).nbytes if cfg is not None else 0
-            rows.append({
+            row = spread.measured({  # (`measured` below is the warm-up flag)
                 "shared_tokens": length,
                 "method": name,
                 "trajectories": trajectories,
                 "warmup_trajectories": warmup,
+                "prompts": len(m["first"]),
                 "ttft_mean_s": ttft,
                 "ttft_p90_s": sorted(m["ttft"])[int(0.9 * (len(m["ttft"]) - 1))],
                 "speedup_vs_dense": dense_ttft / ttft,
@@ -173,16 +190,20 @@ def run(
                 "margins": m["margin"],
                 "first_token_agrees": m["first"],
                 "ttfts": m["ttft"],
-            })
+                "kls": m["kl"],
+                "greedy_agreements": m["greedy"],
+            }, "ttft_s", m["ttft"])
+            rows.append(row)
         for name, (_, cfg) in methods.items():
             if cfg is not None:
                 engine.anchor_pool(cfg).clear()  # each length starts with empty pools
-        result = {"machine": machine_info(), "lengths": list(lengths), "trajectories": trajectories,
-                  "warmup": warmup, "greedy_tokens": greedy_tokens, "gate": gate or {}, "rows": rows,
-                  "margin_analysis": margin_analysis(rows), "samples": samples}
-        if results_dir is not None:  # after every length, so a long run keeps what it measured
-            write_results(results_dir, "correction", result)
-            print(table(result), flush=True)
+        result = {"benchmark": "correction", "lengths": list(lengths), "trajectories": trajectories,
+                  "warmup": warmup, "greedy_tokens": greedy_tokens, "gate": gate or {}, "configs": configs,
+                  "default_config": default,
+                  "default_gate": configs.get("lowrank_chained") == default if "lowrank_chained" in configs else None,
+                  "rows": rows, "margin_analysis": margin_analysis(rows), "samples": samples}
+        if on_length is not None:  # after every length, so a long run keeps what it measured
+            on_length(result)
     engine.close()
     return result
 
@@ -220,19 +241,21 @@ def margin_analysis(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def table(result: dict[str, Any]) -> str:
-    columns = ["shared", "method", "TTFT s", "p90 s", "vs dense", "1st tok", "greedy32", "KL", "reuse",
-               "anchor MiB", "outcomes"]
+def table(result: dict[str, Any], simulated: bool = True) -> str:
+    """The measured rows; with ``simulated``, also the gate-threshold simulation (labelled as such)."""
+    columns = ["shared", "method", "prompts", "TTFT mean s", "TTFT median [min–max] s", "p90 s", "vs dense",
+               "1st tok", "greedy32", "KL", "reuse", "anchor MiB", "outcomes"]
     rows = [
-        [r["shared_tokens"], r["method"], r["ttft_mean_s"], r["ttft_p90_s"], f"{r['speedup_vs_dense']:.2f}x",
+        [r["shared_tokens"], r["method"], r.get("prompts", len(r.get("first_token_agrees", []))), r["ttft_mean_s"],
+         cell(r, "ttft_s") if "ttft_s" in r else "-", r["ttft_p90_s"], f"{r['speedup_vs_dense']:.2f}x",
          f"{100 * r['first_token_agreement']:.0f}%", f"{100 * r['greedy32_agreement']:.0f}%", r["kl_mean"],
          f"{100 * r['reuse_ratio']:.0f}%", r["anchor_pool_bytes"] / 2**20,
          " ".join(f"{k}:{v}" for k, v in sorted(r["outcomes"].items()))]
         for r in result["rows"]
     ]
     text = format_table(columns, rows)
-    if result.get("margin_analysis"):
-        text += "\n\nconfidence gate thresholds, simulated on lowrank_chained_nogate:\n" + format_table(
+    if simulated and result.get("margin_analysis"):
+        text += "\n\nconfidence gate thresholds, SIMULATED on lowrank_chained_nogate (not measured):\n" + format_table(
             ["shared", "min_margin", "recomputed", "1st tok", "flips caught", "TTFT s (est.)", "vs dense (est.)"],
             [[a["shared_tokens"], a["min_margin"], f"{100 * a['recomputed_share']:.0f}%",
               f"{100 * a['first_token_agreement']:.0f}%", a["disagreements_below"], a.get("ttft_mean_s") or "-",
@@ -262,16 +285,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="confidence gate: next-token top-2 logit margin below which compose recomputes densely")
     parser.add_argument("--methods", nargs="+", default=(), choices=list(METHODS),
                         help="methods to run (dense always runs: it is the reference); default all")
-    parser.add_argument("--results-dir", default="results", help="where the JSON goes")
+    record.add_arguments(parser, "correction")
     args = parser.parse_args(argv)
     gate = {k: v for k, v in {
         "entropy_threshold": args.entropy_threshold, "temperature": args.temperature,
         "max_distance": args.max_distance, "min_anchors": args.min_anchors, "rank": args.rank,
         "pool_size": args.pool_size, "min_margin": args.min_margin,
     }.items() if v is not None}
-    run(tuple(args.lengths), args.trajectories, args.greedy_tokens, gate=gate, warmup=args.warmup,
-        results_dir=args.results_dir, only=tuple(args.methods))
-    print(f"wrote {args.results_dir}/correction.json")
+    with record.Recording.from_args("correction", args, argv) as rec:
+        def partial(result: dict[str, Any]) -> None:
+            rec.write(result, partial=True)
+            print(table(result), flush=True)
+
+        result = run(tuple(args.lengths), args.trajectories, args.greedy_tokens, gate=gate, warmup=args.warmup,
+                     on_length=partial, only=tuple(args.methods))
+        print(f"written: {rec.write(result)}")
 
 
 if __name__ == "__main__":

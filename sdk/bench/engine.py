@@ -13,18 +13,25 @@ kvbaton decodes with its fused decode step (``kvbaton.backend.fast_decode``, on 
 kernels where they build); prefill runs the model's own forward with paged attention. Greedy
 agreement is reported against transformers in the same dtype and, for bf16, of both bf16
 implementations against fp32 transformers (which one stays closer to full precision).
+
+Every cell alternates kvbaton and transformers ``--repeats`` times (prefill cells twice that); the
+record keeps every repeat and the tables show medians with the [min–max] spread (ratios are ratios
+of medians). Memory bandwidth on a shared VM drifts between minutes: read the spread.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
 import torch
 from kvbaton import SamplingParams
-from kvbaton.bench.common import format_table, machine_info, parallel, timed, write_results
+from kvbaton.bench import record
+from kvbaton.bench.common import format_table, parallel, timed
 from kvbaton.bench.corpus import document
+from kvbaton.bench.spread import cell, measured
 from tqdm.auto import tqdm
 
 
@@ -49,14 +56,14 @@ def _hf_prefill_s(model: Any, tokens: list[int]) -> float:
         return time.perf_counter() - start
 
 
-def _weight_read_ms(engine: Any, repeats: int = 5) -> float | None:
-    """One pass of a single row through every decode weight matrix: the memory-bandwidth floor of a step."""
+def _weight_read_ms(engine: Any, repeats: int = 5) -> list[float] | None:
+    """ms of each pass of a single row through every decode weight matrix: the memory-bandwidth floor of a step."""
     fast = engine.runner.fast
     if fast is None:
         return None
     mats = fast.weights.matrices()
     rows: dict[int, torch.Tensor] = {}
-    best = float("inf")
+    runs = []
     with torch.inference_mode():
         for _ in range(repeats):
             start = time.perf_counter()
@@ -66,8 +73,8 @@ def _weight_read_ms(engine: Any, repeats: int = 5) -> float | None:
                 if x is None:
                     x = rows[width] = torch.ones(1, width, dtype=m.input_dtype)
                 m(x)
-            best = min(best, time.perf_counter() - start)
-    return best * 1000
+            runs.append((time.perf_counter() - start) * 1000)
+    return runs
 
 
 def _concurrent_tps(engine: Any, corpus: list[int], k: int, params: SamplingParams) -> float:
@@ -89,8 +96,10 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
     kernels: dict[str, str] = {}
     reference: list[list[int]] | None = None
     floor: dict[str, float | None] = {}
+    floor_runs: dict[str, list[float] | None] = {}
     for dtype in dtypes:
         engine = Engine(dtype=dtype, kv_budget="3GiB", prefix_cache=False)
+        record.watch_kv(f"engine {dtype}", record.pool_bytes(engine))
         hf = load_model(dtype=dtype, attn_implementation="sdpa").model
         kernels[dtype] = engine.runner.fast.weights.kernels if engine.runner.fast else "model forward"
         corpus = engine.tokenize(document(4000, seed=5))
@@ -107,12 +116,13 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
             for _ in range(2 * repeats):  # alternating; short cells, so twice the runs against drift
                 ours.append(timed(lambda: eng.release(eng.materialize(tokens)))[0])
                 theirs.append(_hf_prefill_s(hf, tokens))
-            rows.append({"dtype": dtype, "metric": f"prefill tok/s @{n}{label}", "kvbaton": n / min(ours),
-                         "transformers": n / min(theirs)})
+            row = {"dtype": dtype, "metric": f"prefill tok/s @{n}{label}"}
+            measured(row, "kvbaton", [n / t for t in ours])
+            rows.append(measured(row, "transformers", [n / t for t in theirs]))
             bar.update()
         contended.close()
         # Memory bandwidth on a shared VM drifts: every decode cell alternates kvbaton and transformers
-        # `repeats` times and keeps each side's best run.
+        # `repeats` times, so drift hits both sides alike; every run is kept.
         for n in (512, 4096):
             ours, theirs = [], []
             for _ in range(repeats):
@@ -121,18 +131,21 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
                 ours.append((result.timings.total_s - result.timings.ttft_s) / steps * 1000)
                 engine.release([handle, result.handle])
                 theirs.append(_hf_decode_ms(hf, corpus[:n], steps))
-            rows.append({"dtype": dtype, "metric": f"decode ms/token @{n}", "kvbaton": min(ours),
-                         "transformers": min(theirs)})
+            row = {"dtype": dtype, "metric": f"decode ms/token @{n}"}
+            measured(row, "kvbaton", ours)
+            rows.append(measured(row, "transformers", theirs))
             bar.update()
         for k in concurrency:
             ours, theirs = [], []
             for _ in range(repeats):
                 ours.append(_concurrent_tps(engine, corpus, k, params))
                 theirs.append(1000 / _hf_decode_ms(hf, corpus[:128], steps))
-            rows.append({"dtype": dtype, "metric": f"decode tok/s x{k} seqs", "kvbaton": max(ours),
-                         "transformers": max(theirs)})
+            row = {"dtype": dtype, "metric": f"decode tok/s x{k} seqs"}
+            measured(row, "kvbaton", ours)
+            rows.append(measured(row, "transformers", theirs))
             bar.update()
-        floor[dtype] = _weight_read_ms(engine)
+        floor_runs[dtype] = _weight_read_ms(engine)
+        floor[dtype] = statistics.median(floor_runs[dtype]) if floor_runs[dtype] else None
         prompts = [corpus[300 * i : 300 * i + 200] for i in range(6)]
         ours_tokens = [_engine_greedy(engine, p, steps) for p in prompts]
         hf_tokens = [_hf_greedy(hf, p, steps) for p in prompts]
@@ -151,9 +164,9 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
     for row in rows:
         if row["metric"].startswith("decode tok/s x"):
             row["vs_one_sequence"] = row["kvbaton"] / single[row["dtype"]]
-    return {"benchmark": "engine", "machine": machine_info(), "steps": steps, "rows": rows,
+    return {"benchmark": "engine", "dtypes": list(dtypes), "steps": steps, "repeats": repeats, "rows": rows,
             "greedy_agreement_vs_transformers": agreement, "greedy_agreement_vs_fp32_transformers": vs_fp32,
-            "kernels": kernels, "weights_read_floor_ms": floor}
+            "kernels": kernels, "weights_read_floor_ms": floor, "weights_read_floor_runs_ms": floor_runs}
 
 
 def _engine_greedy(engine: Any, prompt: list[int], steps: int) -> list[int]:
@@ -176,9 +189,25 @@ def _agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
 
 def table(payload: dict[str, Any]) -> str:
     columns = ["dtype", "metric", "kvbaton", "transformers", "kvbaton advantage", "vs 1 seq"]
-    rows = [[r["dtype"], r["metric"], r["kvbaton"], r["transformers"], f"{r['ratio']:.2f}x",
+    rows = [[r["dtype"], r["metric"], cell(r, "kvbaton"), cell(r, "transformers"), f"{r['ratio']:.2f}x",
              f"{r['vs_one_sequence']:.2f}x" if "vs_one_sequence" in r else ""] for r in payload["rows"]]
     return format_table(columns, rows)
+
+
+def notes(payload: dict[str, Any]) -> list[str]:
+    """The lines under the table: kernels, greedy agreement, the weights-read floor."""
+    out = [f"decode kernels: {payload['kernels']}"]
+    for dtype, value in payload["greedy_agreement_vs_transformers"].items():
+        out.append(f"greedy agreement with transformers ({dtype}): {value:.1%} of tokens before the first difference")
+    for dtype, pair in payload["greedy_agreement_vs_fp32_transformers"].items():
+        out.append(f"greedy agreement with fp32 transformers ({dtype}): kvbaton {pair['kvbaton']:.1%}, "
+                   f"transformers {pair['transformers']:.1%}")
+    for dtype, ms in payload["weights_read_floor_ms"].items():
+        if ms is not None:
+            runs = (payload.get("weights_read_floor_runs_ms") or {}).get(dtype) or [ms]
+            out.append(f"weights-read floor ({dtype}): {ms:.1f} ms per decode step, median of {len(runs)} "
+                       f"[{min(runs):.1f}–{max(runs):.1f}] (one row through every decode matrix)")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,18 +217,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=24, help="decode steps per measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per cell, alternating kvbaton and transformers; the best of each is kept")
-    parser.add_argument("--results-dir", default="results")
+                        help="runs per cell, alternating kvbaton and transformers; all kept, median [min–max] shown")
+    record.add_arguments(parser, "engine")
     args = parser.parse_args(argv)
-    payload = run(tuple(args.dtypes), args.steps, repeats=args.repeats, concurrency=tuple(args.concurrency))
+    with record.Recording.from_args("engine", args, argv) as rec:
+        payload = run(tuple(args.dtypes), args.steps, repeats=args.repeats, concurrency=tuple(args.concurrency))
+        path = rec.write(payload)
     print(table(payload))
-    print(f"decode kernels: {payload['kernels']}")
-    for dtype, value in payload["greedy_agreement_vs_transformers"].items():
-        print(f"greedy agreement with transformers ({dtype}): {value:.1%} of tokens before the first difference")
-    for dtype, pair in payload["greedy_agreement_vs_fp32_transformers"].items():
-        print(f"greedy agreement with fp32 transformers ({dtype}): kvbaton {pair['kvbaton']:.1%}, "
-              f"transformers {pair['transformers']:.1%}")
-    for dtype, ms in payload["weights_read_floor_ms"].items():
-        if ms is not None:
-            print(f"weights-read floor ({dtype}): {ms:.1f} ms per decode step (one row through every decode matrix)")
-    print(f"\nwritten: {write_results(args.results_dir, 'engine', payload)}")
+    print("\n".join(notes(payload)))
+    print(f"\nwritten: {path}")

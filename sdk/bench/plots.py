@@ -1,8 +1,10 @@
 """PNG plots of benchmark results (matplotlib, headless).
 
-``plot(payload, path)`` draws one benchmark's JSON payload: a dedicated figure for the benchmarks
-known here, else a generic one (every numeric column of ``payload["rows"]`` against the first), so
-that benchmarks registered later get a plot too.
+``plot(payload, path)`` draws one benchmark's record: a dedicated figure for the benchmarks known
+here, else a generic one (every numeric column of ``payload["rows"]`` against the first), so that
+benchmarks registered later get a plot too. Conventions: measured values are medians with the
+[min–max] spread of the repeats as error bars; count axes (agents, branches, clients) have integer
+ticks; tick labels carry units; reference lines ("ideal", targets) are dashed and drawn beneath.
 """
 
 from __future__ import annotations
@@ -17,63 +19,106 @@ import matplotlib
 matplotlib.use("Agg")  # no display: files only
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 MIB = 1024 * 1024
 Figure = Any
+Series = dict[str, tuple[list[float], Any]]  # label -> (medians, error bars or None)
 
 
-def _lines(ax: Any, xs: list[Any], series: dict[str, list[float]], xlabel: str, ylabel: str, log: bool = False) -> None:
-    for label, ys in series.items():
-        ax.plot(xs, ys, marker="o", label=label)
+def _spread(rows: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list[float], Any]:
+    """Medians of ``key`` and matplotlib's asymmetric error bars from each row's [min, max] (None
+    when no row has repeats of it)."""
+    ys = [float(r[key]) * scale for r in rows]
+    pairs = [(r.get("spread") or {}).get(key) for r in rows]
+    if not any(pairs):
+        return ys, None
+    low = [y - (p[0] * scale if p else y) for y, p in zip(ys, pairs)]
+    high = [(p[1] * scale if p else y) - y for y, p in zip(ys, pairs)]
+    return ys, [low, high]
+
+
+def _unit_axis(axis: Any, unit: str, log: bool) -> None:
+    """Plain numbers with their unit on the ticks (``2 s``, not ``2×10^0``)."""
+    fmt = FuncFormatter(lambda v, _pos: f"{v:g} {unit}".rstrip())
+    if log:
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_minor_formatter(NullFormatter())
+    axis.set_major_formatter(fmt)
+
+
+def _count_axis(ax: Any, xs: list[Any]) -> None:
+    """A count axis (agents, branches, clients): integer ticks, every measured count labelled."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if all(isinstance(x, int) for x in xs) and len(xs) <= 12:
+        if len(xs) > 2 and min(xs) > 0 and max(xs) / min(xs) >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _lines(ax: Any, xs: list[Any], series: Series, xlabel: str, ylabel: str, log: bool = False,
+           unit: str = "", counts: bool = False, ideal: dict[str, list[float]] | None = None) -> None:
+    """Measured series (median, [min–max] error bars) over dashed, grey "ideal" lines drawn beneath."""
+    for label, ys in (ideal or {}).items():
+        ax.plot(xs, ys, linestyle="--", color="grey", linewidth=1.2, zorder=1, label=label)
+    for label, (ys, err) in series.items():
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, zorder=3, label=label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if log:
         ax.set_yscale("log")
+    if unit:
+        _unit_axis(ax.yaxis, unit, log)
+    if counts:
+        _count_axis(ax, xs)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
 
 
 def _ttft(payload: dict[str, Any], fig: Figure) -> None:
     rows = payload["rows"]
     xs = [r["context_tokens"] for r in rows]
     ax = fig.add_subplot(1, 1, 1)
-    series = {"(a) text replay": [r["replay_s"] for r in rows], "(b) resume handle": [r["resume_s"] for r in rows],
-              "(c) question-only floor": [r["floor_s"] for r in rows]}
-    _lines(ax, xs, series, "context tokens", "TTFT (s)", log=True)
-    ax.set_title("TTFT vs context length")
+    series = {"(a) text replay": _spread(rows, "replay_s"), "(b) resume handle": _spread(rows, "resume_s"),
+              "(c) question-only floor": _spread(rows, "floor_s")}
+    _lines(ax, xs, series, "context tokens", "TTFT", log=True, unit="s")
+    ax.set_title("TTFT vs context length (median, bars: min–max)")
 
 
 def _scaling(payload: dict[str, Any], fig: Figure) -> None:
     rows = payload["rows"]
     xs = [r["agents"] for r in rows]
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    _lines(left, xs, {"text replay": [r["text_wall_s"] for r in rows],
-                      "handles": [r["handles_wall_s"] for r in rows]}, "agents (k)", "round wall time (s)")
+    _lines(left, xs, {"text replay": _spread(rows, "text_wall_s"), "handles": _spread(rows, "handles_wall_s")},
+           "agents (k)", "round wall time", unit="s", counts=True)
     left.set_title(f"k agents on one {payload['context_tokens']}-token context")
-    _lines(right, xs, {"text replay": [r["text_peak_kv_bytes"] / MIB for r in rows],
-                       "handles": [r["handles_peak_kv_bytes"] / MIB for r in rows]}, "agents (k)", "KV held (MiB)")
-    right.set_title("KV held when all agents answered")
+    _lines(right, xs, {"text replay": _spread(rows, "text_peak_kv_bytes", 1 / MIB),
+                       "handles": _spread(rows, "handles_peak_kv_bytes", 1 / MIB)},
+           "agents (k)", "peak KV (sampled)", unit="MiB", counts=True)
+    right.set_title("KV pool high-water mark per round")
 
 
 def _branching(payload: dict[str, Any], fig: Figure) -> None:
     rows = payload["rows"]
     xs = [r["branches"] for r in rows]
     ax = fig.add_subplot(1, 1, 1)
-    bpb = (rows[0]["forks_kv_bytes"] / rows[0]["forks_kv_blocks"]) if rows and rows[0]["forks_kv_blocks"] else 0
-    series = {"copies (text passing)": [r["copies_kv_bytes"] / MIB for r in rows],
-              "forks (handles)": [r["forks_kv_bytes"] / MIB for r in rows]}
-    if bpb:
-        series["forks, ideal"] = [r["forks_ideal_blocks"] * bpb / MIB for r in rows]
-    _lines(ax, xs, series, "branch factor b", "peak KV (MiB)")
+    bpb = payload.get("bytes_per_block") or 0
+    series = {"copies (text passing)": _spread(rows, "copies_peak_kv_bytes", 1 / MIB),
+              "forks (handles)": _spread(rows, "forks_peak_kv_bytes", 1 / MIB)}
+    ideal = {"forks, ideal footprint": [r["forks_ideal_blocks"] * bpb / MIB for r in rows]} if bpb else None
+    _lines(ax, xs, series, "branch factor b", "peak KV (sampled)", unit="MiB", counts=True, ideal=ideal)
     ax.set_title(f"Peak KV vs branch factor (depth {payload.get('depth', '?')})")
 
 
 def _workflow(payload: dict[str, Any], fig: Figure) -> None:
     rows = payload["rows"]
     ax = fig.add_subplot(1, 1, 1)
-    ax.barh([f"({r['variant']}) {r['label']}" for r in rows], [r["end_to_end_s"] for r in rows])
+    values, err = _spread(rows, "end_to_end_s")
+    ax.barh([f"({r['variant']}) {r['label']}" for r in rows], values, xerr=err, capsize=3)
     ax.invert_yaxis()
-    ax.set_xlabel("end-to-end time (s)")
+    ax.set_xlabel("end-to-end time, all rounds (median, bars: min–max)")
+    _unit_axis(ax.xaxis, "s", log=False)
     ax.set_title(f"{payload.get('agents', '?')}-agent workflow, tight KV budget", fontsize=10)
 
 
@@ -83,8 +128,11 @@ def _adapter_overhead(payload: dict[str, Any], fig: Figure) -> None:
         _generic(payload, fig)
         return
     ax = fig.add_subplot(1, 1, 1)
-    ax.bar(list(per_call), list(per_call.values()))
-    ax.set_ylabel("ms per LLM call")
+    rows = payload.get("rows") or [{"variant": k, "ms_per_call": v} for k, v in per_call.items()]
+    values, err = _spread(rows, "ms_per_call")
+    ax.bar([r["variant"] for r in rows], values, yerr=err, capsize=3)
+    ax.set_ylabel("per LLM call (median, bars: min–max)")
+    _unit_axis(ax.yaxis, "ms", log=False)
     ax.set_title("LangGraph framework overhead per LLM call (no model time)")
 
 
@@ -95,11 +143,14 @@ def _serve(payload: dict[str, Any], fig: Figure) -> None:
         mine = [r for r in rows if r["reuse"] == reuse]
         xs = [r["clients"] for r in mine]
         label = "handle reuse" if reuse == "on" else "text replay"
-        left.plot(xs, [r["requests_per_s"] for r in mine], marker="o", label=label)
-        right.plot(xs, [r["ttft_p50_s"] for r in mine], marker="o", label=label)
-    for ax, ylabel in ((left, "requests / s"), (right, "TTFT p50 (s)")):
+        left.errorbar(xs, *_spread(mine, "requests_per_s"), marker="o", capsize=3, label=label)
+        right.errorbar(xs, *_spread(mine, "ttft_p50_s"), marker="o", capsize=3, label=label)
+    clients = sorted({r["clients"] for r in rows})
+    for ax, ylabel, unit in ((left, "throughput", "req/s"), (right, "TTFT p50", "s")):
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(ylabel)
+        _unit_axis(ax.yaxis, unit, log=False)
+        _count_axis(ax, clients)
         ax.grid(True, alpha=0.3)
         ax.legend()
     left.set_title("kvbaton serve throughput")
@@ -109,10 +160,11 @@ def _serve(payload: dict[str, Any], fig: Figure) -> None:
 def _engine(payload: dict[str, Any], fig: Figure) -> None:
     rows = [r for r in payload["rows"] if _numeric(r.get("ratio"))]
     ax = fig.add_subplot(1, 1, 1)
-    ax.barh([f"{r['dtype']} {r['metric']}" for r in rows], [r["ratio"] for r in rows])
-    ax.axvline(1.0, color="gray", linestyle="--")
+    ax.axvline(1.0, color="gray", linestyle="--", zorder=1)
+    ax.barh([f"{r['dtype']} {r['metric']}" for r in rows], [r["ratio"] for r in rows], zorder=2)
     ax.invert_yaxis()
-    ax.set_xlabel("kvbaton / plain transformers (higher is better)")
+    ax.set_xlabel("kvbaton advantage over plain transformers, ratio of medians (higher is better)")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}x"))
     ax.set_title("Engine speed vs plain transformers")
 
 
@@ -124,19 +176,22 @@ def _transfer(payload: dict[str, Any], fig: Figure) -> None:
         mine = [r for r in cross if r.get("bandwidth_cap_bytes_per_s") == cap]
         label = "link" if cap is None else f"cap {cap:.0e} B/s"
         xs = [r["context_tokens"] for r in mine]
-        left.plot(xs, [r["transfer_s"] for r in mine], marker="o", label=f"transfer, {label}")
-    recompute = {r["context_tokens"]: r["recompute_s"] for r in cross}
-    if recompute:
-        left.plot(list(recompute), list(recompute.values()), marker="s", color="black", label="recompute")
+        left.errorbar(xs, *_spread(mine, "transfer_s"), marker="o", capsize=3, label=f"transfer, {label}")
+    first = [r for r in cross if r.get("bandwidth_cap_bytes_per_s") == caps[0]] if caps else []
+    if first:  # recompute does not depend on the link: one series
+        left.errorbar([r["context_tokens"] for r in first], *_spread(first, "recompute_s"), marker="s",
+                      color="black", capsize=3, label="recompute")
     left.set_xlabel("context tokens")
-    left.set_ylabel("seconds")
+    left.set_ylabel("time")
     left.set_yscale("log")
+    _unit_axis(left.yaxis, "s", log=True)
     left.grid(True, alpha=0.3)
     left.legend(fontsize=7)
     left.set_title("KV transfer vs recompute")
     fork = payload.get("fork") or []
-    _lines(right, [r["k"] for r in fork], {"handles (fork across workers)": [r["handles_s"] for r in fork],
-                                          "text replay": [r["replay_s"] for r in fork]}, "branches k", "wall time (s)")
+    _lines(right, [r["k"] for r in fork], {"handles (fork across workers)": _spread(fork, "handles_s"),
+                                          "text replay": _spread(fork, "replay_s")}, "branches k", "wall time",
+           unit="s", counts=True)
     right.set_title("Fork across workers vs replay")
 
 
@@ -146,12 +201,15 @@ def _correction(payload: dict[str, Any], fig: Figure) -> None:
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
         xs = [r["shared_tokens"] for r in mine]
-        left.plot(xs, [r["ttft_mean_s"] for r in mine], marker="o", label=method)
-        right.plot(xs, [100 * r["first_token_agreement"] for r in mine], marker="o", label=method)
-    right.axhline(95, color="grey", linestyle="--", linewidth=1, label="target 95%")
-    for ax, ylabel in ((left, "TTFT mean (s)"), (right, "first token agreeing with dense (%)")):
+        key = "ttft_s" if all("ttft_s" in r for r in mine) else "ttft_mean_s"
+        left.errorbar(xs, *_spread(mine, key), marker="o", capsize=3, label=method, zorder=3)
+        right.plot(xs, [100 * r["first_token_agreement"] for r in mine], marker="o", label=method, zorder=3)
+    right.axhline(95, color="grey", linestyle="--", linewidth=1, label="target 95%", zorder=1)
+    for ax, ylabel, unit in ((left, "TTFT per prompt (median, bars: min–max)", "s"),
+                             (right, "first token agreeing with dense", "%")):
         ax.set_xlabel("shared segment tokens")
         ax.set_ylabel(ylabel)
+        _unit_axis(ax.yaxis, unit, log=False)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     left.set_title("Segment reuse behind a different prefix: speed")
@@ -175,7 +233,7 @@ def _generic(payload: dict[str, Any], fig: Figure) -> None:
     ys = [k for k in keys[1:] if all(_numeric(r.get(k)) for r in rows)]
     xs = [r.get(x_key) for r in rows]
     if all(_numeric(x) for x in xs):
-        _lines(ax, xs, {k: [r[k] for r in rows] for k in ys[:8]}, x_key, "value")
+        _lines(ax, xs, {k: _spread(rows, k) for k in ys[:8]}, x_key, "value")
     else:
         width = 0.8 / max(len(ys[:4]), 1)
         for i, k in enumerate(ys[:4]):
@@ -206,7 +264,9 @@ def plot(payload: dict[str, Any], path: str | Path) -> Path:
         PLOTTERS.get(name, _generic)(payload, fig)
         machine = payload.get("machine") or {}
         if machine:
-            fig.text(0.01, 0.01, f"{machine.get('cpu', '')}, {machine.get('date', '')}", fontsize=7, alpha=0.6)
+            run = f"run {payload['run_id']}, " if payload.get("run_id") else ""
+            fig.text(0.01, 0.01, f"{run}{machine.get('cpu', '')}, {payload.get('date') or machine.get('date', '')}",
+                     fontsize=7, alpha=0.6)
         fig.tight_layout()
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,11 @@ different questions over one shared context (system prompt with a document).
 - reuse off: the server runs with ``--no-prefix-cache`` and requests carry only text, so every
   request prefills the whole context (text replay).
 
-TTFT is measured on the client: request sent to first streamed chunk received.
+TTFT is measured on the client: request sent to first streamed chunk received. Each level runs
+``--repeats`` times on the same server; the record keeps every repeat's req/s, tokens/s, p50 and
+p99 TTFT, tables show median [min–max], ratios are ratios of medians. The engine lives in the
+server process, so the record's ``peak_kv_bytes`` is not sampled; ``server_peak_rss_bytes`` is
+each server's peak RSS (``VmHWM``, read before it is stopped).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import threading
 import time
 from typing import Any
 
-from kvbaton.bench.common import format_table, machine_info, parallel, timed, write_results
+from kvbaton.bench import record
+from kvbaton.bench.common import format_table, parallel, timed
 from kvbaton.bench.corpus import QUESTIONS, document
+from kvbaton.bench.spread import cell, measured
 from tqdm.auto import tqdm
 
 
@@ -110,17 +116,26 @@ def _level(url: str, clients: int, requests: int, system: dict[str, str], reuse:
     }
 
 
+MEASURED = ("requests_per_s", "tokens_per_s", "ttft_p50_s", "ttft_p99_s")
+
+
 def run(levels: tuple[int, ...] = (1, 8, 32), context_words: int = 400, max_tokens: int = 8,
-        kv_budget: str = "1GiB") -> dict[str, Any]:
+        kv_budget: str = "1GiB", repeats: int = 3) -> dict[str, Any]:
     system = {"role": "system", "content": "You answer questions about these meeting notes.\n" + document(context_words)}
     rows = []
+    server_rss: dict[str, int | None] = {}
     for reuse in (True, False):
         proc, url = _start_server(reuse, kv_budget)
         try:
             for clients in tqdm(levels, desc=f"serve reuse={'on' if reuse else 'off'}", unit="level"):
-                row = _level(url, clients, max(8, 2 * clients), system, reuse, max_tokens)
-                rows.append({"reuse": "on" if reuse else "off", **row})
+                runs = [_level(url, clients, max(8, 2 * clients), system, reuse, max_tokens) for _ in range(repeats)]
+                row: dict[str, Any] = {"reuse": "on" if reuse else "off", "clients": clients,
+                                       "requests": runs[0]["requests"]}
+                for key in MEASURED:
+                    measured(row, key, [r[key] for r in runs])
+                rows.append(row)
         finally:
+            server_rss["on" if reuse else "off"] = record.vm_hwm_bytes(proc.pid)
             proc.terminate()
             proc.wait(timeout=30)
     by = {(r["reuse"], r["clients"]): r for r in rows}
@@ -128,15 +143,16 @@ def run(levels: tuple[int, ...] = (1, 8, 32), context_words: int = 400, max_toke
         on, off = by[("on", clients)], by[("off", clients)]
         on["throughput_vs_off"] = on["requests_per_s"] / off["requests_per_s"]
         on["ttft_p50_vs_off"] = off["ttft_p50_s"] / on["ttft_p50_s"]
-    return {"benchmark": "serve", "machine": machine_info(), "context_words": context_words,
-            "max_tokens": max_tokens, "rows": rows}
+    return {"benchmark": "serve", "context_words": context_words, "max_tokens": max_tokens, "repeats": repeats,
+            "server_peak_rss_bytes": server_rss, "rows": rows}
 
 
 def table(payload: dict[str, Any]) -> str:
     columns = ["reuse", "clients", "requests", "req/s", "gen tok/s", "TTFT p50 s", "TTFT p99 s", "req/s vs off",
                "p50 TTFT vs off"]
-    rows = [[r["reuse"], r["clients"], r["requests"], r["requests_per_s"], r["tokens_per_s"], r["ttft_p50_s"],
-             r["ttft_p99_s"], f"{r['throughput_vs_off']:.2f}x" if "throughput_vs_off" in r else "",
+    rows = [[r["reuse"], r["clients"], r["requests"], cell(r, "requests_per_s"), cell(r, "tokens_per_s"),
+             cell(r, "ttft_p50_s"), cell(r, "ttft_p99_s"),
+             f"{r['throughput_vs_off']:.2f}x" if "throughput_vs_off" in r else "",
              f"{r['ttft_p50_vs_off']:.2f}x" if "ttft_p50_vs_off" in r else ""] for r in payload["rows"]]
     return format_table(columns, rows)
 
@@ -148,9 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-words", type=int, default=400, help="shared document size (~1.3 tokens/word)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--kv-budget", default="1GiB")
-    parser.add_argument("--results-dir", default="results")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each level (default 3; all kept)")
+    record.add_arguments(parser, "serve")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    payload = run(tuple(args.levels), args.context_words, args.max_tokens, args.kv_budget)
-    print(table(payload))
-    print(f"\nwritten: {write_results(args.results_dir, 'serve', payload)}")
+    with record.Recording.from_args("serve", args, argv) as rec:
+        payload = run(tuple(args.levels), args.context_words, args.max_tokens, args.kv_budget, args.repeats)
+        print(table(payload))
+        print(f"\nwritten: {rec.write(payload)}")

@@ -1,5 +1,9 @@
-"""``kvbaton bench all``: every registered benchmark, each writing its JSON and a PNG plot, then a
-summary of the AAFLOW+ experiments they measure.
+"""``kvbaton bench all``: every registered benchmark, each writing its record (JSON) and a PNG plot,
+then a summary of the AAFLOW+ experiments they measure.
+
+One suite run is one run id: every benchmark's record goes to ``<results dir>/<run id>/`` (see
+:mod:`kvbaton.bench.record`), with ``summary.json`` beside them. A quick run's records say
+``"quick": true`` and are never published by ``kvbaton bench report``.
 
 Benchmarks come from the registry (``kvbaton.bench.__main__.BENCHMARKS``), so one registered later
 runs here too. ``--quick`` runs each with small sizes: a benchmark module may define
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbaton.bench import record
 from kvbaton.bench.common import format_table, machine_info
 from tqdm.auto import tqdm
 
@@ -33,7 +38,7 @@ EXPERIMENTS: list[tuple[str, tuple[str, ...]]] = [
 
 QUICK: dict[str, list[str]] = {
     "ttft": ["--lengths", "128", "256", "--repeats", "1", "--no-hf"],
-    "serve": ["--levels", "1", "2", "--context-words", "100", "--max-tokens", "2"],
+    "serve": ["--levels", "1", "2", "--context-words", "100", "--max-tokens", "2", "--repeats", "1"],
     "engine": ["--dtypes", "float32", "--steps", "4", "--concurrency", "1", "2", "--repeats", "1"],
     "adapter_overhead": ["--repeats", "5"],
     "transfer": ["--lengths", "128", "256", "--ks", "1", "2", "--context", "128", "--max-tokens", "2",
@@ -51,6 +56,7 @@ class Outcome:
     seconds: float = 0.0
     note: str = ""
     files: list[str] = field(default_factory=list)
+    run_dir: str = ""
 
 
 def registry() -> dict[str, tuple[str, str]]:
@@ -68,32 +74,40 @@ def quick_args(name: str, module: Any) -> list[str] | None:
     return list(own) if own is not None else QUICK.get(name)
 
 
-def run_one(name: str, module_name: str, results_dir: Path, quick: bool, extra: Sequence[str] = ()) -> Outcome:
-    """Run one benchmark's ``main`` into ``results_dir``; plot every JSON file it wrote."""
+def new_run_id() -> str:
+    return record.new_run_id(record.git_state()["short"])
+
+
+def run_one(name: str, module_name: str, results_dir: Path, quick: bool, extra: Sequence[str] = (),
+            run_id: str | None = None) -> Outcome:
+    """Run one benchmark's ``main``, its record going to ``results_dir/<run id>/``; plot every
+    record it wrote there."""
     from kvbaton.bench.plots import plot
 
     module = importlib.import_module(module_name)
+    run_id = run_id or new_run_id()
+    run_dir = Path(results_dir) / run_id
     argv: list[str] = []
     if quick:
         q = quick_args(name, module)
         if q is None:
             return Outcome(name, "skipped", note="no quick configuration (define QUICK_ARGS in its module)")
-        argv += q
-    argv += [*extra, "--results-dir", str(results_dir)]
+        argv += [*q, "--quick-record"]
+    argv += [*extra, "--results-dir", str(results_dir), "--run-id", run_id]
     print(f"\n=== {name}: {' '.join(argv)}", flush=True)
-    before = {p: p.stat().st_mtime_ns for p in results_dir.glob("*.json")}
+    before = {p: p.stat().st_mtime_ns for p in run_dir.glob("*.json")}
     start = time.time()
     try:
         module.main(argv)
     except SystemExit as exc:  # argparse errors and explicit exits
         if exc.code not in (0, None):
-            return Outcome(name, "failed", time.time() - start, f"exited with {exc.code}")
+            return Outcome(name, "failed", time.time() - start, f"exited with {exc.code}", run_dir=str(run_dir))
     except Exception as exc:  # noqa: BLE001 - one failing benchmark must not stop the suite
         traceback.print_exc()
-        return Outcome(name, "failed", time.time() - start, f"{type(exc).__name__}: {exc}")
+        return Outcome(name, "failed", time.time() - start, f"{type(exc).__name__}: {exc}", run_dir=str(run_dir))
     seconds = time.time() - start
     files = []
-    for path in sorted(results_dir.glob("*.json")):
+    for path in sorted(run_dir.glob("*.json")):
         if before.get(path) != path.stat().st_mtime_ns and path.name != "summary.json":  # written by this run
             payload = json.loads(path.read_text())
             if isinstance(payload, dict):
@@ -103,12 +117,14 @@ def run_one(name: str, module_name: str, results_dir: Path, quick: bool, extra: 
                 except Exception as exc:  # noqa: BLE001 - a plot failure is reported, the data stays
                     files.append(path.name)
                     print(f"plot of {path.name} failed: {type(exc).__name__}: {exc}")
-    return Outcome(name, "ok", seconds, files=files)
+    return Outcome(name, "ok", seconds, files=files, run_dir=str(run_dir))
 
 
 def run_all(results_dir: str | Path = "results", *, quick: bool = False, only: Sequence[str] = (),
-            skip: Sequence[str] = ()) -> list[Outcome]:
-    out_dir = Path(results_dir)
+            skip: Sequence[str] = (), run_id: str | None = None) -> list[Outcome]:
+    """Every selected benchmark under one run id; ``summary.json`` in ``results_dir/<run id>/``."""
+    run_id = run_id or new_run_id()
+    out_dir = Path(results_dir) / run_id
     out_dir.mkdir(parents=True, exist_ok=True)
     benches = registry()
     unknown = sorted(set(only) - set(benches) | set(skip) - set(benches))
@@ -117,11 +133,11 @@ def run_all(results_dir: str | Path = "results", *, quick: bool = False, only: S
     names = [n for n in benches if (not only or n in only) and n not in skip]
     outcomes = []
     for name in tqdm(names, desc="kvbaton bench all", unit="benchmark"):
-        outcomes.append(run_one(name, benches[name][0], out_dir, quick))
+        outcomes.append(run_one(name, benches[name][0], Path(results_dir), quick, run_id=run_id))
     for name in benches:
         if name not in names:
             outcomes.append(Outcome(name, "skipped", note="not selected"))
-    summary = {"machine": machine_info(), "quick": quick,
+    summary = {"run_id": run_id, "git": record.git_state(), "machine": machine_info(), "quick": quick,
                "outcomes": [o.__dict__ for o in outcomes], "experiments": experiments(outcomes, benches)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return outcomes
@@ -149,14 +165,16 @@ def print_summary(outcomes: Sequence[Outcome], results_dir: str | Path) -> None:
     print("\n=== experiments")
     print(format_table(["experiment", "benchmark", "status"],
                        [[r["experiment"], r["benchmark"], r["status"]] for r in experiments(outcomes, benches)]))
-    print(f"\nresults in {results_dir}/ (summary.json, <benchmark>.json, <benchmark>.png)")
+    print(f"\nresults in {results_dir}/ (summary.json, <benchmark>.json records, <benchmark>.png)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (minutes, not an hour): a smoke run")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks (names or a,b,c)")
     parser.add_argument("--skip", nargs="+", metavar="NAME", help="do not run these benchmarks")
-    parser.add_argument("--results-dir", default="results", help="where JSON, PNG and summary.json go (default results)")
+    parser.add_argument("--results-dir", default="results",
+                        help="parent folder: records, PNG and summary.json go to DIR/<run id>/ (default results)")
+    parser.add_argument("--run-id", default=None, help="run id (folder name); default: UTC time + short commit")
     parser.add_argument("--list", action="store_true", help="list the registered benchmarks and exit")
 
 
@@ -165,8 +183,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         for name, (module, text) in registry().items():
             print(f"{name:18s} {text}  [{module}]")
         return 0
-    outcomes = run_all(args.results_dir, quick=args.quick, only=_names(args.only), skip=_names(args.skip))
-    print_summary(outcomes, args.results_dir)
+    run_id = args.run_id or new_run_id()
+    outcomes = run_all(args.results_dir, quick=args.quick, only=_names(args.only), skip=_names(args.skip),
+                       run_id=run_id)
+    print_summary(outcomes, Path(args.results_dir) / run_id)
     return 1 if any(o.status == "failed" for o in outcomes) else 0
 
 

@@ -12,20 +12,27 @@ All measured in one run on one cluster of worker processes (default: two CPU wor
     spreads them over the workers, moving KV as the cost model says). Text replay: k plain
     completions of context + suffix. Total wall time and peak KV bytes per worker.
 
-The prefix cache is off in the workers, so recompute and replay really recompute.
+The prefix cache is off in the workers, so recompute and replay really recompute. Every crossover
+cell runs ``--repeats`` times per method (median [min–max]; all repeats in the record). Each row
+also states the cost model's prediction error (predicted / measured - 1, for both methods), and the
+record holds a least-squares refit of the prefill line over every measured recompute
+(``recompute_refit``), with its error per row: how far the startup calibration is from the line the
+measurements themselves give.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import threading
 import time
 from typing import Any
 
 from kvbaton import SamplingParams
-from kvbaton.bench.common import format_table, machine_info, parallel, write_results
+from kvbaton.backend.costmodel import fit_line, prediction_error
+from kvbaton.bench import record
+from kvbaton.bench.common import format_table, parallel
 from kvbaton.bench.corpus import document
+from kvbaton.bench.spread import cell, measured
 from tqdm.auto import tqdm
 
 DEFAULT_LENGTHS = (128, 512, 1024, 2048)
@@ -37,35 +44,13 @@ def _cap(text: str) -> float | None:
     return None if text.lower() in ("none", "0", "") else float(text)
 
 
-class PeakKV:
-    """Samples every worker's used blocks while a phase runs; keeps the peak bytes per worker."""
+def worker_bytes(cluster: Any) -> record.Poll:
+    """The poll of a cluster's KV pools: bytes in use per worker rank, in one stats call."""
+    return lambda: {w.rank: w.stats.pool_bytes_used for w in cluster.stats().cluster.workers if w.stats is not None}
 
-    def __init__(self, cluster: Any, interval: float = 0.05) -> None:
-        self.cluster = cluster
-        self.interval = interval
-        self.peak: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> None:
-        for w in self.cluster.stats().cluster.workers:
-            if w.stats is not None:
-                used = w.stats.pool_bytes_used
-                self.peak[w.rank] = max(self.peak.get(w.rank, 0), used)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> PeakKV:  # noqa: PYI034
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+def per_worker(sampler: record.PeakSampler) -> dict[int, int]:
+    return {int(key.split(":")[1]): v for key, v in sampler.peak.items()}
 
 
 def crossover(cluster: Any, corpus: list[int], lengths: tuple[int, ...], caps: tuple[str, ...],
@@ -89,22 +74,34 @@ def crossover(cluster: Any, corpus: list[int], lengths: tuple[int, ...], caps: t
                 decision = [d for d in cluster.stats().cluster.decisions if d.handle == handle.id][-1]
                 cluster.release(handle)
         assert decision is not None
-        transfer_s, recompute_s = min(times["transfer"]), min(times["recompute"])
         choice = "transfer" if decision.predicted_transfer_s < decision.predicted_recompute_s else "recompute"
-        rows.append({
-            "bandwidth_cap_bytes_per_s": _cap(cap),
-            "context_tokens": length,
-            "kv_bytes": decision.bytes,
-            "transfer_s": transfer_s,
-            "recompute_s": recompute_s,
+        row: dict[str, Any] = {"bandwidth_cap_bytes_per_s": _cap(cap), "context_tokens": length,
+                               "kv_bytes": decision.bytes}
+        measured(row, "transfer_s", times["transfer"])
+        measured(row, "recompute_s", times["recompute"])
+        row.update({
             "predicted_transfer_s": decision.predicted_transfer_s,
             "predicted_recompute_s": decision.predicted_recompute_s,
+            "transfer_error": prediction_error(decision.predicted_transfer_s, row["transfer_s"]),
+            "recompute_error": prediction_error(decision.predicted_recompute_s, row["recompute_s"]),
             "model_choice": choice,
-            "faster_measured": "transfer" if transfer_s < recompute_s else "recompute",
-            "recompute_over_transfer": recompute_s / transfer_s,
+            "faster_measured": "transfer" if row["transfer_s"] < row["recompute_s"] else "recompute",
+            "recompute_over_transfer": row["recompute_s"] / row["transfer_s"],
         })
+        rows.append(row)
     cluster.set_bandwidth_cap(None)
     return rows
+
+
+def refit(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Least-squares prefill line over every measured recompute (each repeat a point), and each
+    row's error against it: what the calibration would predict had it probed these lengths."""
+    points = [(float(r["context_tokens"]), t) for r in rows for t in r["runs"]["recompute_s"]]
+    fixed, per_token = fit_line(points)
+    for r in rows:
+        r["refit_predicted_recompute_s"] = fixed + per_token * r["context_tokens"]
+        r["refit_recompute_error"] = prediction_error(r["refit_predicted_recompute_s"], r["recompute_s"])
+    return {"fixed_s": fixed, "per_token_s": per_token, "points": len(points)}
 
 
 def fork_across(cluster: Any, corpus: list[int], context_tokens: int, ks: tuple[int, ...], max_tokens: int,
@@ -115,7 +112,7 @@ def fork_across(cluster: Any, corpus: list[int], context_tokens: int, ks: tuple[
     for k in tqdm(ks, desc="fork across workers", unit="k"):
         suffixes = [corpus[-(i + 1) * suffix_tokens: len(corpus) - i * suffix_tokens] for i in range(k)]
         before = len(cluster.stats().cluster.decisions)
-        with PeakKV(cluster) as handles_peak:
+        with record.PeakSampler({"worker": worker_bytes(cluster)}) as handles_peak:
             start = time.perf_counter()
             parent = cluster.materialize(context)
             children = cluster.fork(parent, k)
@@ -123,12 +120,13 @@ def fork_across(cluster: Any, corpus: list[int], context_tokens: int, ks: tuple[
             handles_s = time.perf_counter() - start
         decisions = cluster.stats().cluster.decisions[before:]
         cluster.release([parent, *children, *(r.handle for r in results)])
-        with PeakKV(cluster) as replay_peak:
+        with record.PeakSampler({"worker": worker_bytes(cluster)}) as replay_peak:
             start = time.perf_counter()
             replayed = parallel([lambda s=s: cluster.complete(context + s, params) for s in suffixes])
             replay_s = time.perf_counter() - start
         cluster.release([r.handle for r in replayed])
-        workers = sorted(set(handles_peak.peak) | set(replay_peak.peak))
+        peak_handles, peak_replay = per_worker(handles_peak), per_worker(replay_peak)
+        workers = sorted(set(peak_handles) | set(peak_replay))
         rows.append({
             "k": k,
             "handles_s": handles_s,
@@ -136,8 +134,8 @@ def fork_across(cluster: Any, corpus: list[int], context_tokens: int, ks: tuple[
             "replay_over_handles": replay_s / handles_s,
             "moves": len(decisions),
             "moves_transfer": sum(d.choice == "transfer" for d in decisions),
-            "peak_kv_bytes_handles": {w: handles_peak.peak.get(w, 0) for w in workers},
-            "peak_kv_bytes_replay": {w: replay_peak.peak.get(w, 0) for w in workers},
+            "peak_kv_bytes_handles": {w: peak_handles.get(w, 0) for w in workers},
+            "peak_kv_bytes_replay": {w: peak_replay.get(w, 0) for w in workers},
         })
     return rows
 
@@ -151,10 +149,12 @@ def run(devices: list[str], lengths: tuple[int, ...], caps: tuple[str, ...], ks:
     with Cluster(devices, engine_options={"kv_budget": kv_budget, "prefix_cache": False},
                  calibration_cache=None, worker_threads=worker_threads, balance_slack=balance_slack) as cluster:
         corpus = cluster.tokenize(document(int(need * 1.2), seed=23))[:need]
+        record.watch_kv("cluster", worker_bytes(cluster))
         warm = cluster.materialize(corpus[:32])
         cluster.release(warm)
         cal = cluster.stats().cluster
         cross = crossover(cluster, corpus, lengths, caps, repeats)
+        recompute_refit = refit(cross)
         fork = fork_across(cluster, corpus, context_tokens, ks, max_tokens, suffix_tokens)
         model = cluster.loaded.name
     return {
@@ -163,17 +163,26 @@ def run(devices: list[str], lengths: tuple[int, ...], caps: tuple[str, ...], ks:
         "calibration": {"bandwidth_bytes_per_s": cal.bandwidth_bytes_per_s, "latency_s": cal.latency_s,
                         "prefill_tokens_per_s": {w.rank: w.prefill_tokens_per_s for w in cal.workers}},
         "context_tokens": context_tokens, "max_tokens": max_tokens, "suffix_tokens": suffix_tokens,
-        "machine": machine_info(), "crossover": cross, "fork": fork,
+        "repeats": repeats, "crossover": cross, "recompute_refit": recompute_refit, "fork": fork,
     }
 
 
-def tables(payload: dict[str, Any]) -> str:
+def _predicted(seconds: float | None, error: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.3f} ({error:+.0%})" if error is not None else f"{seconds:.3f}"
+
+
+def table(payload: dict[str, Any]) -> str:
     cross = format_table(
-        ["cap B/s", "context", "KV MB", "transfer s", "recompute s", "pred. transfer s", "pred. recompute s",
-         "model picks", "faster"],
+        ["cap B/s", "context", "KV MB", "transfer s", "recompute s", "pred. transfer s (error)",
+         "pred. recompute s (error)", "refit recompute s (error)", "model picks", "faster"],
         [[("none" if r["bandwidth_cap_bytes_per_s"] is None else f"{r['bandwidth_cap_bytes_per_s']:.0e}"),
-          r["context_tokens"], r["kv_bytes"] / 1e6, r["transfer_s"], r["recompute_s"], r["predicted_transfer_s"],
-          r["predicted_recompute_s"], r["model_choice"], r["faster_measured"]] for r in payload["crossover"]],
+          r["context_tokens"], r["kv_bytes"] / 1e6, cell(r, "transfer_s"), cell(r, "recompute_s"),
+          _predicted(r.get("predicted_transfer_s"), r.get("transfer_error")),
+          _predicted(r.get("predicted_recompute_s"), r.get("recompute_error")),
+          _predicted(r.get("refit_predicted_recompute_s"), r.get("refit_recompute_error")),
+          r["model_choice"], r["faster_measured"]] for r in payload["crossover"]],
     )
     fork = format_table(
         ["k", "handles s", "replay s", "replay/handles", "moves (transfers)", "peak KV MB/worker handles",
@@ -183,7 +192,10 @@ def tables(payload: dict[str, Any]) -> str:
           " / ".join(f"{v / 1e6:.1f}" for v in r["peak_kv_bytes_handles"].values()),
           " / ".join(f"{v / 1e6:.1f}" for v in r["peak_kv_bytes_replay"].values())] for r in payload["fork"]],
     )
-    return f"{cross}\n\n{fork}"
+    fit = payload.get("recompute_refit")
+    line = (f"\n\nprefill line refitted over {fit['points']} measured recomputes: "
+            f"{fit['fixed_s']:.3f} s + {fit['per_token_s'] * 1e3:.3f} ms/token") if fit else ""
+    return f"{cross}{line}\n\n{fork}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,16 +209,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=1024, help="shared context tokens of the fork phase")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens each branch generates")
     parser.add_argument("--suffix", type=int, default=16, help="tokens of each branch's own suffix")
-    parser.add_argument("--repeats", type=int, default=2, help="repetitions per crossover cell (minimum reported)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="repetitions per crossover cell (all kept; median [min–max] reported)")
     parser.add_argument("--kv-budget", default="1GiB", help="KV pool per worker")
     parser.add_argument("--worker-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="torch threads per CPU worker (default: cores / 2)")
     parser.add_argument("--balance-slack", type=int, default=1,
                         help="queue-length difference before a request moves off its handle's worker (default 1)")
-    parser.add_argument("--results-dir", default="results", help="where transfer.json is written")
+    record.add_arguments(parser, "transfer")
     args = parser.parse_args(argv)
-    payload = run([d.strip() for d in args.devices.split(",")], tuple(args.lengths), tuple(args.caps),
-                  tuple(args.ks), args.context, args.max_tokens, args.suffix, args.repeats, args.kv_budget,
-                  args.worker_threads, args.balance_slack)
-    print(tables(payload))
-    print(f"\nwritten: {write_results(args.results_dir, 'transfer', payload)}")
+    with record.Recording.from_args("transfer", args, argv) as rec:
+        payload = run([d.strip() for d in args.devices.split(",")], tuple(args.lengths), tuple(args.caps),
+                      tuple(args.ks), args.context, args.max_tokens, args.suffix, args.repeats, args.kv_budget,
+                      args.worker_threads, args.balance_slack)
+        print(table(payload))
+        print(f"\nwritten: {rec.write(payload)}")

@@ -4,6 +4,8 @@
 (b) resume: the context is a handle; prefill only the question behind it, then the first token.
 (c) floor: prefill of the question tokens alone plus one decode step (no context at all).
 Also shown: plain transformers' forward over context + question (no kvbaton), for reference.
+Every cell is timed ``--repeats`` times; the record keeps every repeat, tables show the median
+with the [min–max] spread, and the ratios are ratios of medians.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from typing import Any
 
 import torch
 from kvbaton import SamplingParams
-from kvbaton.bench.common import format_table, machine_info, median_time, write_results
+from kvbaton.bench import record
+from kvbaton.bench.common import format_table, repeat_times
 from kvbaton.bench.corpus import QUESTIONS, document
+from kvbaton.bench.spread import cell, measured
 from tqdm.auto import tqdm
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
@@ -25,6 +29,7 @@ def run(lengths: tuple[int, ...] = DEFAULT_LENGTHS, repeats: int = 3, with_hf: b
 
     # No prefix cache: (a) must really re-read the context, not find it cached from (b)'s handle.
     engine = Engine(kv_budget="2GiB", prefix_cache=False)
+    record.watch_kv("engine", record.pool_bytes(engine))
     corpus = engine.tokenize(document(int(max(lengths) * 0.9) + 200, seed=11))
     if len(corpus) < max(lengths):
         raise RuntimeError("corpus too short for the requested context lengths")
@@ -43,27 +48,20 @@ def run(lengths: tuple[int, ...] = DEFAULT_LENGTHS, repeats: int = 3, with_hf: b
     for length in tqdm(lengths, desc="ttft", unit="context"):
         context = corpus[:length]
         handle = engine.materialize(context)
-        replay = median_time(lambda: engine.complete(context + question, first), repeats, release)
-        resume = median_time(lambda: engine.resume(handle, question, first), repeats, release)
-        floor = median_time(lambda: engine.complete(question, two), repeats, release)
-        row: dict[str, Any] = {
-            "context_tokens": length,
-            "question_tokens": len(question),
-            "replay_s": replay,
-            "resume_s": resume,
-            "floor_s": floor,
-            "replay_over_resume": replay / resume,
-            "resume_over_floor": resume / floor,
-        }
+        row: dict[str, Any] = {"context_tokens": length, "question_tokens": len(question)}
+        measured(row, "replay_s", repeat_times(lambda: engine.complete(context + question, first), repeats, release))
+        measured(row, "resume_s", repeat_times(lambda: engine.resume(handle, question, first), repeats, release))
+        measured(row, "floor_s", repeat_times(lambda: engine.complete(question, two), repeats, release))
+        row["replay_over_resume"] = row["replay_s"] / row["resume_s"]
+        row["resume_over_floor"] = row["resume_s"] / row["floor_s"]
         if hf is not None:
             ids = torch.tensor([context + question])
             with torch.inference_mode():
-                row["hf_dense_prefill_s"] = median_time(lambda: hf(ids, logits_to_keep=1), repeats)
+                measured(row, "hf_dense_prefill_s", repeat_times(lambda: hf(ids, logits_to_keep=1), repeats))
         engine.release(handle)
         rows.append(row)
     assert engine.stats().blocks_used == 0
-    return {"benchmark": "ttft", "model": engine.loaded.name, "dtype": "float32", "repeats": repeats,
-            "machine": machine_info(), "rows": rows}
+    return {"benchmark": "ttft", "model": engine.loaded.name, "dtype": "float32", "repeats": repeats, "rows": rows}
 
 
 def table(payload: dict[str, Any]) -> str:
@@ -73,10 +71,10 @@ def table(payload: dict[str, Any]) -> str:
         columns.append("HF dense s")
     rows = []
     for r in payload["rows"]:
-        row = [r["context_tokens"], r["replay_s"], r["resume_s"], r["floor_s"],
+        row = [r["context_tokens"], cell(r, "replay_s"), cell(r, "resume_s"), cell(r, "floor_s"),
                f"{r['replay_over_resume']:.1f}x", f"{r['resume_over_floor']:.2f}x"]
         if has_hf:
-            row.append(r["hf_dense_prefill_s"])
+            row.append(cell(r, "hf_dense_prefill_s"))
         rows.append(row)
     return format_table(columns, rows)
 
@@ -85,10 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvbaton.bench ttft", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="context lengths")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per cell (median reported)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per cell (all kept; median and [min–max] reported)")
     parser.add_argument("--no-hf", action="store_true", help="skip the plain-transformers reference column")
-    parser.add_argument("--results-dir", default="results", help="where ttft.json is written")
+    record.add_arguments(parser, "ttft")
     args = parser.parse_args(argv)
-    payload = run(tuple(args.lengths), args.repeats, with_hf=not args.no_hf)
-    print(table(payload))
-    print(f"\nwritten: {write_results(args.results_dir, 'ttft', payload)}")
+    with record.Recording.from_args("ttft", args, argv) as rec:
+        payload = run(tuple(args.lengths), args.repeats, with_hf=not args.no_hf)
+        print(table(payload))
+        print(f"\nwritten: {rec.write(payload)}")

@@ -18,7 +18,11 @@ show how much of (d)'s gain comes from STE ordering there.
 
 Every variant reports all rounds and the steady state (rounds after the first: the first round
 prefills every fixed prompt once, the same cold work for every variant), per-round time and
-prefilled tokens, and per-agent TTFT mean and p90.
+prefilled tokens, and per-agent TTFT mean and p90, and the KV pool's high-water mark (sampled).
+
+With ``--repeats N`` the whole set of variants runs N times (variant order the same each time);
+end-to-end seconds and TTFT mean (all rounds and steady state) are recorded for every repeat and
+summarised as min/median/max; the per-round and per-call detail is the first repeat's.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from itertools import pairwise
 from typing import Any
 
 from kvbaton import SamplingParams, StepGraph
-from kvbaton.bench.common import format_table, machine_info, write_results
+from kvbaton.bench import record
+from kvbaton.bench.common import format_table
 from kvbaton.bench.corpus import document
+from kvbaton.bench.spread import cell, measured
 from tqdm.auto import tqdm
 
 AGENTS = ["planner", "researcher", "executor_a", "executor_b", "executor_c", "coder", "expresser",
@@ -100,6 +106,8 @@ def run_variant(variant: Variant, engine_kwargs: dict[str, Any], fixed: dict[str
     from kvbaton.backend import Engine
 
     engine = Engine(**engine_kwargs, **variant.options)
+    record.watch_kv(f"engine {variant.key}", record.pool_bytes(engine))
+    sampled = record.PeakSampler({"pool": record.pool_bytes(engine)}).start()
     graph = step_graph()
     for name, tokens in fixed.items():
         engine.register_agent(name, tokens)
@@ -128,6 +136,7 @@ def run_variant(variant: Variant, engine_kwargs: dict[str, Any], fixed: dict[str
         round_seconds.append(time.perf_counter() - round_start)
     progress.close()
     stats = engine.stats()
+    sampled.stop()
     engine.close()
     per_round = []
     for index, seconds in enumerate(round_seconds):
@@ -146,7 +155,22 @@ def run_variant(variant: Variant, engine_kwargs: dict[str, Any], fixed: dict[str
         "rounds": per_round,
         "call_log": calls,
         "cache": stats.cache.model_dump() if stats.cache else None,
+        "peak_kv_bytes": sampled.total,
     }
+
+
+def merge_repeats(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's row from its repeats: the first repeat's detail, with end-to-end seconds and TTFT
+    mean (all rounds and steady state) as min/median/max over every repeat."""
+    row = dict(repeats[0])
+    for key in ("end_to_end_s", "ttft_mean_s", "ttft_p90_s"):
+        measured(row, key, [r[key] for r in repeats])
+    if row["steady_state"] is not None:
+        steady = dict(row["steady_state"])
+        for key in ("end_to_end_s", "ttft_mean_s", "ttft_p90_s"):
+            measured(steady, key, [r["steady_state"][key] for r in repeats])
+        row["steady_state"] = steady
+    return row
 
 
 def variants(tier_kind: str, big_tier: str, small_tier: str | None) -> list[Variant]:
@@ -192,7 +216,7 @@ def ratios(by_key: dict[str, dict[str, Any]]) -> dict[str, float]:
 def run(rounds: int = DEFAULT_ROUNDS, fixed_min: int = 1024, fixed_max: int = 2048, suffix_tokens: int = 32,
         max_tokens: int = 16, budget_fraction: float = 0.5, device: str = "cpu", model: str | None = None,
         dtype: str = "float32", slow_tier: str = "auto", bounded: bool = True, bounded_tier_fraction: float = 0.5,
-        seed: int = 0) -> dict[str, Any]:
+        seed: int = 0, repeats: int = 1) -> dict[str, Any]:
     from kvbaton.backend import Engine
 
     probe = Engine(model, dtype=dtype, device=device, kv_budget="16 blocks")
@@ -217,8 +241,12 @@ def run(rounds: int = DEFAULT_ROUNDS, fixed_min: int = 1024, fixed_max: int = 20
     small_tier = f"{tier_kind}:{max(1, int(overflow_blocks * bounded_tier_fraction))} blocks" if bounded else None
     engine_kwargs = {"model": model, "dtype": dtype, "device": device, "kv_budget": f"{budget_blocks} blocks"}
     plan = schedule(rounds, seed)
-    rows = [run_variant(v, engine_kwargs, fixed, plan, suffix_tokens, max_tokens)
-            for v in tqdm(variants(tier_kind, big_tier, small_tier), desc="workflow variants", unit="variant")]
+    chosen = variants(tier_kind, big_tier, small_tier)
+    runs: dict[str, list[dict[str, Any]]] = {v.key: [] for v in chosen}
+    for _ in range(repeats):
+        for v in tqdm(chosen, desc="workflow variants", unit="variant"):
+            runs[v.key].append(run_variant(v, engine_kwargs, fixed, plan, suffix_tokens, max_tokens))
+    rows = [merge_repeats(runs[v.key]) for v in chosen]
     steady = {r["variant"]: r["steady_state"] for r in rows if r["steady_state"] is not None}
     return {
         "benchmark": "workflow",
@@ -237,7 +265,7 @@ def run(rounds: int = DEFAULT_ROUNDS, fixed_min: int = 1024, fixed_max: int = 20
         "bytes_per_block": bytes_per_block,
         "slow_tier": big_tier,
         "bounded_slow_tier": small_tier,
-        "machine": machine_info(),
+        "repeats": repeats,
         "rows": rows,
         "ratios": ratios({r["variant"]: r for r in rows}),
         "steady_state_ratios": ratios(steady) if len(steady) == len(rows) else None,
@@ -245,7 +273,7 @@ def run(rounds: int = DEFAULT_ROUNDS, fixed_min: int = 1024, fixed_max: int = 20
 
 
 def _mean_p90(summary: dict[str, Any] | None) -> str:
-    return f"{summary['ttft_mean_s']:.3f} / {summary['ttft_p90_s']:.3f}" if summary else "-"
+    return f"{cell(summary, 'ttft_mean_s')} / {cell(summary, 'ttft_p90_s')}" if summary else "-"
 
 
 def _ratio_line(title: str, values: dict[str, float] | None) -> str:
@@ -263,34 +291,38 @@ def _ratio_line(title: str, values: dict[str, float] | None) -> str:
 def table(payload: dict[str, Any]) -> str:
     rows = payload["rows"]
     columns = ["variant", "all: e2e s", "all: prefilled tok", "all: TTFT mean / p90 s", "steady: e2e s",
-               "steady: prefilled tok", "steady: TTFT mean / p90 s", "hits by tier (blocks)", "prefetch hit rate"]
+               "steady: prefilled tok", "steady: TTFT mean / p90 s", "hits by tier (blocks)", "prefetch hit rate",
+               "peak KV MiB"]
     main_rows = []
     for r in rows:
         cache = r["cache"] or {}
         steady = r["steady_state"]
         hits = ", ".join(f"{k}={v}" for k, v in sorted((cache.get("hits_blocks") or {}).items())) or "-"
         rate = f"{cache['prefetch_hit_rate']:.2f}" if cache.get("blocks_prefetched") else "-"
-        main_rows.append([f"({r['variant']}) {r['label']}", r["end_to_end_s"], r["tokens_prefilled"], _mean_p90(r),
-                          steady["end_to_end_s"] if steady else "-", steady["tokens_prefilled"] if steady else "-",
-                          _mean_p90(steady), hits, rate])
+        main_rows.append([f"({r['variant']}) {r['label']}", cell(r, "end_to_end_s", 1), r["tokens_prefilled"],
+                          _mean_p90(r), cell(steady, "end_to_end_s", 1) if steady else "-",
+                          steady["tokens_prefilled"] if steady else "-", _mean_p90(steady), hits, rate,
+                          f"{r['peak_kv_bytes'] / 2**20:.1f}" if r.get("peak_kv_bytes") is not None else "-"])
     executors = payload["executors_by_round"]
     round_columns = ["variant"] + [f"round {i + 1} ({e})" for i, e in enumerate(executors)]
     round_rows = [[f"({r['variant']})"] + [f"{x['seconds']:.1f} s, {x['tokens_prefilled']} tok" for x in r["rounds"]]
                   for r in rows]
     parts = [
         "All rounds and steady state (rounds after the first):",
+        "",
         format_table(columns, main_rows),
         "",
-        "Per round (end-to-end seconds, prefilled tokens):",
+        "Per round (end-to-end seconds, prefilled tokens; first repeat):",
+        "",
         format_table(round_columns, round_rows),
     ]
     if all(r["steady_state"] for r in rows):
         agents = [a for a in AGENTS if any(a in r["steady_state"]["per_agent_ttft"] for r in rows)]
         agent_rows = [[a] + [_agent_cell(r["steady_state"]["per_agent_ttft"].get(a)) for r in rows] for a in agents]
-        parts += ["", "Steady-state TTFT per agent, mean / p90 s (calls):",
+        parts += ["", "Steady-state TTFT per agent, mean / p90 s (calls; first repeat):", "",
                   format_table(["agent"] + [f"({r['variant']})" for r in rows], agent_rows)]
-    parts += ["", _ratio_line("ratios, all rounds", payload["ratios"]),
-              _ratio_line("ratios, steady state", payload["steady_state_ratios"])]
+    parts += ["", _ratio_line("ratios of medians, all rounds", payload["ratios"]), "",
+              _ratio_line("ratios of medians, steady state", payload["steady_state_ratios"])]
     return "\n".join(parts)
 
 
@@ -320,15 +352,20 @@ def main(argv: list[str] | None = None) -> None:
                         help="bounded slow tier capacity / fixed-prompt blocks that do not fit the device budget "
                              "(default 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="prompt lengths and the router's choices")
-    parser.add_argument("--results-dir", default="results")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of the whole set of variants (default 1: ~14 minutes each at the default sizes)")
+    record.add_arguments(parser, "workflow")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     if not 0 < args.bounded_tier_fraction < 1:
         parser.error("--bounded-tier-fraction must be in (0, 1): the slow tier must be smaller than the overflow")
-    payload = run(args.rounds, args.fixed_min, args.fixed_max, args.suffix_tokens, args.max_tokens,
-                  args.budget_fraction, args.device, args.model, args.dtype, args.slow_tier, args.bounded,
-                  args.bounded_tier_fraction, args.seed)
-    print(table(payload))
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     name = "workflow" if args.device == "cpu" else f"workflow-{args.device.replace(':', '')}"
-    print(f"\nwritten: {write_results(args.results_dir, name, payload)}")
+    with record.Recording.from_args("workflow", args, argv, name=name) as rec:
+        payload = run(args.rounds, args.fixed_min, args.fixed_max, args.suffix_tokens, args.max_tokens,
+                      args.budget_fraction, args.device, args.model, args.dtype, args.slow_tier, args.bounded,
+                      args.bounded_tier_fraction, args.seed, args.repeats)
+        print(table(payload))
+        print(f"\nwritten: {rec.write(payload)}")

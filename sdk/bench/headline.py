@@ -1,0 +1,168 @@
+"""What each benchmark's record says in one line, and its targets checked against the record.
+
+``headline(record)`` is the sentence the results summary and the README print for a benchmark;
+``targets(record)`` lists each target with the measured value and whether it was met, so a missed
+target is stated next to the target. Everything here reads the record only (medians; spreads where
+shown): no number is typed in by hand. The targets are the ones the project's issues set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvbaton.bench.spread import cell
+
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Target:
+    text: str  # the target, e.g. "resume >= 50x faster than replay at the longest context"
+    measured: str  # what the record holds
+    met: bool
+
+    def line(self) -> str:
+        return f"- target: {self.text} — measured {self.measured}: " + ("met" if self.met else "**NOT MET**")
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f}%"
+
+
+def _last(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    return max(rows, key=lambda r: r[key])
+
+
+# -- per benchmark ----------------------------------------------------------------------------------
+
+
+def _ttft(rec: Record) -> tuple[str, list[Target]]:
+    r = _last(rec["rows"], "context_tokens")
+    n = r["context_tokens"]
+    text = (f"resume from a handle {_x(r['replay_over_resume'])} faster than text replay at {n} tokens "
+            f"(TTFT {cell(r, 'resume_s')} s vs {cell(r, 'replay_s')} s); {_x(r['resume_over_floor'])} of the "
+            "question-only floor")
+    return text, [Target(f"(a)/(b) >= 50x at {n} tokens", _x(r["replay_over_resume"]), r["replay_over_resume"] >= 50),
+                  Target(f"(b) within 1.2x of (c) at {n} tokens", _x(r["resume_over_floor"]),
+                         r["resume_over_floor"] <= 1.2)]
+
+
+def _scaling(rec: Record) -> tuple[str, list[Target]]:
+    r = _last(rec["rows"], "agents")
+    return (f"{r['agents']} agents on one {rec['context_tokens']}-token context: {_x(r['wall_text_over_handles'])} "
+            f"faster with forked handles, {_x(r['kv_text_over_handles'])} less peak KV (sampled)"), []
+
+
+def _branching(rec: Record) -> tuple[str, list[Target]]:
+    r = _last(rec["rows"], "branches")
+    speed = r["copies_wall_s"] / r["forks_wall_s"]
+    return (f"{r['branches']} branches x depth {r['depth']}: {_x(r['kv_copies_over_forks'])} less peak KV (sampled) "
+            f"with forks than copies, {_x(speed)} faster"), []
+
+
+def _transfer(rec: Record) -> tuple[str, list[Target]]:
+    rows = rec["crossover"]
+    right = sum(r["model_choice"] == r["faster_measured"] for r in rows)
+    errors = sorted(abs(r["recompute_error"]) for r in rows if r.get("recompute_error") is not None)
+    worst = max(rows, key=lambda r: abs(r.get("recompute_error") or 0))
+    text = f"the cost model chose the faster side in {right}/{len(rows)} cells"
+    if errors:
+        text += (f"; recompute prediction error median {errors[len(errors) // 2]:.0%}, worst "
+                 f"{worst['recompute_error']:+.0%} at {worst['context_tokens']} tokens")
+    return text, [Target("the cost model picks the faster side in every cell", f"{right}/{len(rows)}",
+                         right == len(rows))]
+
+
+def _serve(rec: Record) -> tuple[str, list[Target]]:
+    on = _last([r for r in rec["rows"] if r["reuse"] == "on"], "clients")
+    return (f"{on['clients']} HTTP clients: {_x(on['throughput_vs_off'])} req/s and {_x(on['ttft_p50_vs_off'])} "
+            "lower p50 TTFT with a shared-context handle than text replay"), []
+
+
+def _engine_row(rec: Record, dtype: str, metric: str) -> dict[str, Any] | None:
+    return next((r for r in rec["rows"] if r["dtype"] == dtype and r["metric"] == metric), None)
+
+
+def _engine(rec: Record) -> tuple[str, list[Target]]:
+    parts, found = [], []
+    for dtype in rec.get("dtypes") or sorted({r["dtype"] for r in rec["rows"]}):
+        decode = [r for r in (_engine_row(rec, dtype, f"decode ms/token @{n}") for n in (512, 4096)) if r]
+        prefill = [r for r in (_engine_row(rec, dtype, f"prefill tok/s @{n}") for n in (512, 2048)) if r]
+        batch = _engine_row(rec, dtype, "decode tok/s x8 seqs")
+        bits = []
+        if decode:
+            bits.append("decode " + " / ".join(_x(r["ratio"]) for r in decode) + " faster than transformers (" +
+                        " / ".join(r["metric"].split("@")[1] for r in decode) + " context)")
+            found.append(Target(f"{dtype} decode >= 2x faster than transformers (ms/token <= 0.5x)",
+                                " / ".join(_x(r["ratio"]) for r in decode), all(r["ratio"] >= 2 for r in decode)))
+        if prefill:
+            bits.append("prefill " + " / ".join(_x(r["ratio"]) for r in prefill))
+            found.append(Target(f"{dtype} prefill >= 0.9x transformers (a prompt alone)",
+                                " / ".join(_x(r["ratio"]) for r in prefill), all(r["ratio"] >= 0.9 for r in prefill)))
+        if batch and "vs_one_sequence" in batch:
+            bits.append(f"8 sequences {_x(batch['vs_one_sequence'])} one")
+            found.append(Target(f"{dtype} 8 concurrent sequences >= 4x the tokens/s of one",
+                                _x(batch["vs_one_sequence"]), batch["vs_one_sequence"] >= 4))
+        parts.append(f"{dtype}: " + ", ".join(bits))
+    return "; ".join(parts), found
+
+
+def _adapter_overhead(rec: Record) -> tuple[str, list[Target]]:
+    total = rec["overhead_ms_per_call"]["adapter_total"]
+    return (f"{total:.2f} ms LangGraph adapter overhead per LLM call (medians of {rec['repeats']} graph runs)",
+            [Target("adapter overhead <= 2 ms per LLM call", f"{total:.2f} ms", total <= 2)])
+
+
+def _workflow(rec: Record) -> tuple[str, list[Target]]:
+    steady, total = rec.get("steady_state_ratios") or {}, rec["ratios"]
+    def both(key: str) -> str:
+        return f"{_x(total[key])} all rounds" + (f", {_x(steady[key])} steady state" if steady else "")
+
+    # (c)/(d) first: the baseline a user would compare with has the same slow tier, loaded reactively.
+    text = (f"end-to-end time of LRU + the same slow tier with reactive load over STE + slow tier + prefetch "
+            f"(above 1x: STE + prefetch is faster): {both('c_over_d')}; of radix + LRU without a slow tier: "
+            f"{both('b_over_d')}")
+    return text, []
+
+
+def _correction_rows(rec: Record, method: str) -> list[dict[str, Any]]:
+    return sorted((r for r in rec["rows"] if r["method"] == method), key=lambda r: r["shared_tokens"])
+
+
+def _correction(rec: Record) -> tuple[str, list[Target]]:
+    rows = _correction_rows(rec, "lowrank_chained")
+    if not rows:
+        return "lowrank_chained not in this run", []
+    gate = "default gate" if rec.get("default_gate") else f"gate {rec.get('gate')} (NOT the default)"
+    text = f"chained low-rank, {gate}: " + "; ".join(
+        f"{r['shared_tokens']} tokens {_x(r['speedup_vs_dense'])} vs dense, {_pct(r['first_token_agreement'])} "
+        f"first token over {r['prompts']} prompts" for r in rows)
+    found = [Target(f"first-token agreement >= 95% at {r['shared_tokens']} tokens, default gate, >= 60 prompts",
+                    f"{_pct(r['first_token_agreement'])} over {r['prompts']} prompts"
+                    + ("" if rec.get("default_gate") else ", not at the default gate"),
+                    r["first_token_agreement"] >= 0.95 and r["prompts"] >= 60 and bool(rec.get("default_gate")))
+             for r in rows]
+    longest = rows[-1]
+    found.append(Target(f">= 2x faster than dense at {longest['shared_tokens']} tokens",
+                        _x(longest["speedup_vs_dense"]), longest["speedup_vs_dense"] >= 2))
+    return text, found
+
+
+HEADLINES: dict[str, Callable[[Record], tuple[str, list[Target]]]] = {
+    "ttft": _ttft, "scaling": _scaling, "transfer": _transfer, "branching": _branching, "serve": _serve,
+    "engine": _engine, "adapter_overhead": _adapter_overhead, "workflow": _workflow, "correction": _correction,
+}
+
+
+def headline(rec: Record) -> str:
+    return HEADLINES[rec["benchmark"]](rec)[0]
+
+
+def targets(rec: Record) -> list[Target]:
+    return HEADLINES[rec["benchmark"]](rec)[1]
