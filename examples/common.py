@@ -14,7 +14,7 @@ import argparse
 import statistics
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,24 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) ->
                         help=f"tokens generated per agent turn (default {max_tokens}; the model is tiny, "
                         "short outputs keep the run short)")
     parser.add_argument("--quiet", action="store_true", help="do not print the agents' outputs as they come")
+
+
+def run_example(
+    name: str, doc: str | None, argv: list[str] | None, *, max_tokens: int,
+    arguments: Callable[[argparse.ArgumentParser], None], run_mode: Callable[[str, argparse.Namespace], Report],
+    check: Callable[[argparse.Namespace], str | None] = lambda args: None,
+) -> dict[str, Any]:
+    """An example's ``main``: its own ``arguments`` plus the common ones, a ``check`` of them (an
+    error message, or None), ``run_mode`` for every mode ``--baseline`` asks for, then the reports."""
+    parser = argparse.ArgumentParser(prog=f"kvbaton run {name}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    arguments(parser)
+    add_common_arguments(parser, max_tokens=max_tokens)
+    args = parser.parse_args(argv)
+    problem = check(args)
+    if problem:
+        parser.error(problem)
+    return finish(name, {mode: run_mode(mode, args) for mode in modes_of(args.baseline)})
 
 
 def modes_of(baseline: str) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Annotated, Any, TypedDict
 
 from kvbaton.adapters.langgraph import KvbatonChatModel, wrap
 from kvbaton.bench.corpus import document
-from kvbaton.examples.common import KVBATON, MeteredClient, add_common_arguments, connect, finish, modes_of, say
+from kvbaton.examples.common import KVBATON, MeteredClient, connect, run_example, say
 from langchain_core.messages import HumanMessage, SystemMessage
 from langgraph.graph import END, START, StateGraph, add_messages
 
@@ -99,16 +99,14 @@ def run_mode(mode: str, args: argparse.Namespace) -> Any:
     return report
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="kvbaton run debate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="debate rounds (default 3)")
     parser.add_argument("--context-words", type=int, default=1000,
                         help="size of the shared notes in words (~1.3 tokens per word; default ~1.5K tokens)")
-    add_common_arguments(parser, max_tokens=16)
-    args = parser.parse_args(argv)
-    reports = {mode: run_mode(mode, args) for mode in modes_of(args.baseline)}
-    return finish("debate", reports)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return run_example("debate", __doc__, argv, max_tokens=16, arguments=_arguments, run_mode=run_mode)
 
 
 if __name__ == "__main__":

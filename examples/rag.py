@@ -37,7 +37,7 @@ from autogen_core.model_context import UnboundedChatCompletionContext
 from autogen_core.models import LLMMessage, SystemMessage, UserMessage
 from kvbaton.adapters.autogen import KvbatonChatCompletionClient, instrument
 from kvbaton.adapters.autogen_client import render_messages
-from kvbaton.examples.common import KVBATON, MeteredClient, Report, add_common_arguments, connect, finish, modes_of, say
+from kvbaton.examples.common import KVBATON, MeteredClient, Report, connect, run_example, say
 
 QUESTION = ("We live in a small house with rooftop solar and want backup for the fridge and the router during "
             "outages. How big a Lumen system do we need, what will it cost, and what maintenance does it need?")
@@ -162,17 +162,17 @@ def run_mode(mode: str, args: argparse.Namespace) -> Report:
     return report
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="kvbaton run rag", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=3, help="parallel solvers sharing the evidence (default 3)")
     parser.add_argument("--top-n", type=int, default=3, help="documents retrieved (default 3)")
-    add_common_arguments(parser, max_tokens=24)
-    args = parser.parse_args(argv)
-    if not 1 <= args.k <= 16 or args.top_n < 1:
-        parser.error("need 1 <= k <= 16 and top-n >= 1")
-    reports = {mode: run_mode(mode, args) for mode in modes_of(args.baseline)}
-    return finish("rag", reports)
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    return None if 1 <= args.k <= 16 and args.top_n >= 1 else "need 1 <= k <= 16 and top-n >= 1"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return run_example("rag", __doc__, argv, max_tokens=24, arguments=_arguments, run_mode=run_mode, check=_check)
 
 
 if __name__ == "__main__":

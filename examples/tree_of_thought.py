@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from kvbaton.bench.corpus import document
-from kvbaton.examples.common import KVBATON, MeteredClient, Report, add_common_arguments, connect, finish, modes_of, say
+from kvbaton.examples.common import KVBATON, MeteredClient, Report, connect, run_example, say
 
 PROBLEM = ("The notes above describe a team under pressure. Propose a plan that cuts the backlog in half within "
            "a month without hurting reliability. Think step by step.")
@@ -87,19 +87,19 @@ def run_mode(mode: str, args: argparse.Namespace) -> Report:
     return report
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="kvbaton run tree_of_thought", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=3, help="branches per expansion (default 3)")
     parser.add_argument("--depth", type=int, default=2, help="expansions (default 2)")
     parser.add_argument("--context-words", type=int, default=600,
                         help="size of the root context in words (~1.3 tokens per word; default ~800 tokens)")
-    add_common_arguments(parser, max_tokens=20)
-    args = parser.parse_args(argv)
-    if not 1 <= args.k <= len(STRATEGIES) * 4 or args.depth < 1:
-        parser.error("need 1 <= k <= 32 and depth >= 1")
-    reports = {mode: run_mode(mode, args) for mode in modes_of(args.baseline)}
-    return finish("tree_of_thought", reports)
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    return None if 1 <= args.k <= len(STRATEGIES) * 4 and args.depth >= 1 else "need 1 <= k <= 32 and depth >= 1"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return run_example("tree_of_thought", __doc__, argv, max_tokens=20, arguments=_arguments, run_mode=run_mode, check=_check)
 
 
 if __name__ == "__main__":

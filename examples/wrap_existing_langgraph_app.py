@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Self, TypedDict
 
 from kvbaton.bench.corpus import document
-from kvbaton.examples.common import KVBATON, MeteredClient, Report, add_common_arguments, connect, finish, modes_of, say
+from kvbaton.examples.common import KVBATON, MeteredClient, Report, connect, run_example, say
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import HumanMessage, SystemMessage
 from langgraph.graph import END, START, StateGraph, add_messages
@@ -179,15 +179,13 @@ def run_mode(mode: str, args: argparse.Namespace) -> Report:
     return report
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="kvbaton run wrap_existing_langgraph_app", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-words", type=int, default=800,
                         help="size of the shared briefing in words (~1.3 tokens per word; default ~1K tokens)")
-    add_common_arguments(parser, max_tokens=24)
-    args = parser.parse_args(argv)
-    reports = {mode: run_mode(mode, args) for mode in modes_of(args.baseline)}
-    return finish("wrap_existing_langgraph_app", reports)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return run_example("wrap_existing_langgraph_app", __doc__, argv, max_tokens=24, arguments=_arguments, run_mode=run_mode)
 
 
 if __name__ == "__main__":

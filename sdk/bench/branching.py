@@ -25,7 +25,7 @@ from typing import Any
 
 from kvbaton import SamplingParams
 from kvbaton.bench import record
-from kvbaton.bench.common import format_table
+from kvbaton.bench.common import alternating, format_table
 from kvbaton.bench.corpus import document
 from kvbaton.bench.spread import cell, measured
 from tqdm.auto import tqdm
@@ -86,10 +86,10 @@ def run(branches: tuple[int, ...] = DEFAULT_BRANCHES, context_tokens: int = 1024
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for b in tqdm(branches, desc="branching", unit="b"):
-        runs: dict[str, list[dict[str, Any]]] = {"copies": [], "forks": []}
-        for _ in range(repeats):  # alternating, so drift hits both sides alike
-            runs["copies"].append(_search(engine, b, depth, context, params, forks=False))
-            runs["forks"].append(_search(engine, b, depth, context, params, forks=True))
+        runs = alternating(repeats, {
+            "copies": lambda: _search(engine, b, depth, context, params, forks=False),
+            "forks": lambda: _search(engine, b, depth, context, params, forks=True),
+        })
         row: dict[str, Any] = {"branches": b, "depth": depth}
         for side, searches in runs.items():
             measured(row, f"{side}_peak_kv_bytes", [x["peak_kv_bytes"] for x in searches])

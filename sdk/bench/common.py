@@ -92,6 +92,15 @@ def repeat_times(fn: Callable[[], Any], repeats: int, cleanup: Callable[[Any], N
     return times
 
 
+def alternating(repeats: int, sides: dict[str, Callable[[], Any]]) -> dict[str, list[Any]]:
+    """Every side once per repeat, in turn, so that drift (thermal, page cache) hits all sides alike."""
+    runs: dict[str, list[Any]] = {side: [] for side in sides}
+    for _ in range(repeats):
+        for side, run in sides.items():
+            runs[side].append(run())
+    return runs
+
+
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[_fmt(v) for v in row] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvbaton import SamplingParams
 from kvbaton.bench import record
-from kvbaton.bench.common import format_table
+from kvbaton.bench.common import alternating, format_table
 from kvbaton.bench.corpus import QUESTIONS, document
 from kvbaton.bench.spread import cell, measured
 from tqdm.auto import tqdm
@@ -77,10 +77,10 @@ def run(ks: tuple[int, ...] = DEFAULT_KS, context_tokens: int = 1024, max_tokens
     engine.release(warm.handle)
     rows = []
     for k in tqdm(ks, desc="scaling", unit="k"):
-        runs: dict[str, list[dict[str, Any]]] = {"text": [], "handles": []}
-        for _ in range(repeats):  # alternating, so drift hits both sides alike
-            runs["text"].append(_round(engine, k, context, questions, params, handles=False))
-            runs["handles"].append(_round(engine, k, context, questions, params, handles=True))
+        runs = alternating(repeats, {
+            "text": lambda: _round(engine, k, context, questions, params, handles=False),
+            "handles": lambda: _round(engine, k, context, questions, params, handles=True),
+        })
         row: dict[str, Any] = {"agents": k}
         for side, rounds in runs.items():
             for key in MEASURED:
