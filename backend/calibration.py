@@ -15,10 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .costmodel import fit_line
+from .costmodel import PREFILL_PROBE_TOKENS, fit_line
 from .worker import WorkerClient
 
-PROBE_PREFILL_TOKENS = (32, 256)
 LINK_PROBE_BYTES = 32 * 2**20
 
 
@@ -65,7 +64,7 @@ def measure_prefill(workers: Sequence[WorkerClient]) -> tuple[dict[int, float], 
     for w in workers:
         w.call("probe_prefill", 8, seed=w.rank)  # warm-up
         points = []
-        for i, n in enumerate(PROBE_PREFILL_TOKENS):
+        for i, n in enumerate(PREFILL_PROBE_TOKENS):
             t0 = time.perf_counter()
             w.call("probe_prefill", n, seed=1000 * (w.rank + 1) + i + int(time.time()))
             points.append((float(n), time.perf_counter() - t0))

@@ -77,7 +77,11 @@ class Mover:
                 except KvbatonError:
                     pass
         if choice == "recompute":
+            cached = self._cached_on(dst, meta)
+            started = time.perf_counter()
             new = dst.call("adopt", moved)
+            # Observed prefills refit the worker's prefill line (costmodel): it follows the real lengths.
+            self.costs.observe_prefill(dst.rank, tokens - cached, time.perf_counter() - started)
             if src is not None and src.alive:
                 try:
                     src.call("release", hid)
