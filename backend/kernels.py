@@ -2,8 +2,9 @@
 
 The kernels (``csrc/decode_kernels.cpp``) are compiled with ``torch.utils.cpp_extension`` for the
 CPU they run on (``-march=native``), so the build directory is keyed by the source, the torch
-version and the CPU's feature flags: a cache shared between different machines never loads code
-built for another instruction set. The first build takes about 40 s on 2 cores; later processes
+installation (version, C++ ABI, install path, Python) and the CPU's feature flags: a cache shared
+between machines never loads code built for another instruction set, and two virtual environments
+on one machine keep a build each instead of rebuilding each other's on every start. The first build takes about 40 s on 2 cores; later processes
 load the cached library in well under a second.
 
 Set ``KVBATON_KERNELS=0`` to skip them. Without a C++ compiler, or when the build fails, the fused
@@ -16,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 import time
 from importlib import resources
@@ -48,9 +50,16 @@ def _source() -> str:
     return resources.files("kvbaton.backend").joinpath("csrc", SOURCE).read_text()
 
 
+def _torch_install() -> str:
+    """The torch a build links against: its version, C++ ABI, install path and the Python it runs in
+    (torch's own build files name the include paths, so another venv means another build)."""
+    abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "?")
+    return f"{torch.__version__} abi={abi} {Path(torch.__file__).resolve().parent} py={sys.version.split()[0]}"
+
+
 def build_key(source: str | None = None) -> str:
-    """What the compiled library depends on: source (read here unless given), torch, CPU features."""
-    text = "\n".join((source or _source(), torch.__version__, platform.machine(), _cpu_flags(), " ".join(_cflags())))
+    """What the compiled library depends on: source (read here unless given), torch install, CPU features."""
+    text = "\n".join((source or _source(), _torch_install(), platform.machine(), _cpu_flags(), " ".join(_cflags())))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -85,8 +94,9 @@ def _build() -> ModuleType:
         partial.write_text(text)
         os.replace(partial, source)
     cached = any(directory.glob("*.so"))
-    if not cached:
-        log.info("building kvbaton decode kernels for this CPU (once per machine, ~40 s) in %s", directory)
+    if not cached:  # a warning, so that a user with default logging sees why this start takes a while
+        log.warning("building kvbaton decode kernels (one time for this CPU and torch install, ~40 s) in %s",
+                    directory)
     start = time.perf_counter()
     module = cpp_extension.load(
         name=f"kvbaton_decode_{key}",

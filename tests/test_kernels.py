@@ -182,10 +182,13 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, caplog):
 
 
 @pytest.mark.unit
-def test_the_build_is_keyed_by_source_torch_and_cpu(monkeypatch):
+def test_the_build_is_keyed_by_source_torch_install_and_cpu(monkeypatch):
     key = kernels.build_key()
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: "another instruction set")
     assert kernels.build_key() != key
+    other_cpu = kernels.build_key()
+    monkeypatch.setattr(kernels, "_torch_install", lambda: "2.13.0 abi=True /another/venv/torch py=3.11.7")
+    assert kernels.build_key() != other_cpu  # another venv's torch: a build of its own, no ping-pong
 
 
 @pytest.mark.parametrize(("field", "value", "reason"), [
