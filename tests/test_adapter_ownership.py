@@ -147,10 +147,16 @@ def test_autogen_team_runs_and_close_release_over_http(server: Any) -> None:
     try:
         base = http.stats().handles_live
         team = instrument(RoundRobinGroupChat([_assistant("a"), _assistant("b")], max_turns=4), http, max_tokens=2)
-        for _ in range(3):  # the conversation goes on across runs
-            asyncio.run(team.run(task="Hello."))
-            # each agent holds its latest reply for the next run; the rest of the run was released
-            assert http.stats().handles_live <= base + 2
+
+        async def runs() -> list[int]:
+            live = []
+            for _ in range(3):  # the conversation goes on across runs (one event loop: autogen's rule)
+                await team.run(task="Hello.")
+                live.append(http.stats().handles_live - base)
+            return live
+
+        # each agent holds its latest reply for the next run; the rest of each run was released
+        assert asyncio.run(runs()) == [2, 2, 2]
         solo = KvbatonChatCompletionClient(http, max_tokens=2)  # no agent: no side table
         messages = [AgSystemMessage(content="Be brief."), UserMessage(content="Say hi.", source="user")]
 
