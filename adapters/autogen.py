@@ -8,6 +8,11 @@ SelectorGroupChat, Swarm), sends steps-to-execution hints before every turn, and
 
 The hints go out through :class:`kvbaton.adapters.core.HintSender`, shared with the LangGraph adapter.
 
+A run (``run`` / ``run_stream``) of an instrumented team or agent is an ownership scope: when it
+ends, each model client releases what it created but its latest reply's handle (the one its agent's
+next turn reuses), and handles other kvbaton calls made during the run are released
+(:mod:`kvbaton.adapters.ownership`); ``client.keep(handle)`` keeps one.
+
 See docs/autogen.md.
 """
 
@@ -39,6 +44,7 @@ from .autogen_client import (
     tool_schema,
 )
 from .core import HintSender
+from .ownership import aend_run, run_scope
 
 logger = logging.getLogger("kvbaton.adapters.autogen")
 
@@ -205,6 +211,8 @@ class Instrumentation:
     running: dict[str, int] = field(default_factory=dict)
     finished: dict[str, _Completion] = field(default_factory=dict)
     hint_sender: HintSender = field(init=False, repr=False)
+    runs: int = 0
+    """Runs in progress (``team.run`` runs ``team.run_stream``: only the outermost ends the scope)."""
 
     def __post_init__(self, send_hints: bool) -> None:
         # False: hints are only logged; a client without hints() turns it off by itself
@@ -238,6 +246,14 @@ class Instrumentation:
             plain = {dst for dst, triggers in graph.to_spec().triggers.items() if any(agent in t for t in triggers)}
             routed = agent in graph.routers
             self.finished[agent] = _Completion(pending=plain, router=routed, targets=graph.routers.get(agent))
+
+    async def run_finished(self, run: Any) -> None:
+        """A run ended: the model clients keep only their latest reply's handle; what else the run
+        created (``run``, a contextual scope) is released. Never raises."""
+        for model_client in self.model_clients.values():
+            run.forget(model_client.owned_handles)  # theirs to release, below
+            await model_client.release_run_handles()
+        await aend_run(run, None, set())
 
     def reset(self) -> None:
         """Forget run-time state (a new run of the team)."""
@@ -362,6 +378,7 @@ def instrument(
             model_client.register_agent_sync(system, prefill=prefill)
     if participants:
         _wrap_reset(obj, inst)
+    _wrap_runs(obj, inst)
     obj.kvbaton = inst
     obj.step_graph = graph
     return agent_or_team
@@ -377,6 +394,43 @@ def _wrap_reset(team: Any, inst: Instrumentation) -> None:
 
     team.reset = reset
     team._kvbaton_original_reset = original
+
+
+def _wrap_runs(obj: Any, inst: Instrumentation) -> None:
+    """``obj.run`` / ``obj.run_stream`` become ownership scopes (see the module docstring)."""
+    run = getattr(obj, "_kvbaton_original_run", None) or getattr(obj, "run", None)
+    run_stream = getattr(obj, "_kvbaton_original_run_stream", None) or getattr(obj, "run_stream", None)
+    if run is None or run_stream is None:
+        return
+
+    async def begin() -> tuple[Any, Any]:
+        inst.runs += 1
+        scope = run_scope(f"autogen run of {getattr(obj, 'name', 'a team')}") if inst.runs == 1 else None
+        return scope, scope.activate() if scope is not None else None
+
+    async def end(scope: Any, token: Any) -> None:
+        inst.runs -= 1
+        if scope is not None:
+            scope.deactivate(token)
+            await inst.run_finished(scope)
+
+    async def scoped_run(*args: Any, **kwargs: Any) -> Any:
+        scope, token = await begin()
+        try:
+            return await run(*args, **kwargs)
+        finally:
+            await end(scope, token)
+
+    async def scoped_run_stream(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        scope, token = await begin()
+        try:
+            async for item in run_stream(*args, **kwargs):
+                yield item
+        finally:
+            await end(scope, token)
+
+    obj.run, obj.run_stream = scoped_run, scoped_run_stream
+    obj._kvbaton_original_run, obj._kvbaton_original_run_stream = run, run_stream
 
 
 def agent(

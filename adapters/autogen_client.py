@@ -16,6 +16,11 @@ adapters' one tool-call convention (:mod:`kvbaton.adapters.core`; messages in ``
 This module is the AutoGen glue and the per-connection state (shared connections, the side table);
 the best handle, agent registration and sync/async dispatch are :mod:`kvbaton.adapters.core`'s.
 
+Ownership: each client records the handles it created (a :class:`kvbaton.scope.Scope` used as a
+ledger); :meth:`KvbatonChatCompletionClient.close` releases those still live, an instrumented team's
+run end releases all but each agent's latest reply (:meth:`~KvbatonChatCompletionClient.release_run_handles`),
+and a handle the user kept (``client.keep``) is never released.
+
 See docs/autogen.md.
 """
 
@@ -48,6 +53,7 @@ from autogen_core.tools import Tool, ToolSchema
 from kvbaton.client import AsyncClient, Client
 from kvbaton.errors import KvbatonError
 from kvbaton.handle import Handle
+from kvbaton.scope import Scope, arelease_quietly, is_kept
 from kvbaton.types import Result
 from pydantic import BaseModel, Field
 
@@ -252,6 +258,7 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         self.results: list[Result] = []
         """Every kvbaton result of this client, oldest first (bounded to the latest 256)."""
         self._closed = False
+        self._owned = Scope(client, name=f"autogen client {agent or ''}".rstrip())  # what it created
 
     # -- configuration ----------------------------------------------------------------------------
     @property
@@ -393,6 +400,7 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
     async def _finish(
         self, result: Result, messages: Sequence[LLMMessage], schemas: list[str]
     ) -> CreateResult:
+        self._owned.add(result.handle, via=self._client)
         self.last_result = result
         self.last_handle = result.handle
         self.results.append(result)
@@ -414,11 +422,12 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
             content, thought, finish = result.text, "", result.finish_reason
             key_text = result.text
         if self._config.agent is not None:
-            dropped = self._table.put(self._config.agent, key_text, result.handle)
+            dropped = [h.id for h in self._table.put(self._config.agent, key_text, result.handle)]
             if dropped:
+                self._owned.forget(dropped)
                 try:
-                    await self._call("release", dropped)
-                except KvbatonError:  # already released elsewhere: nothing to free
+                    await arelease_quietly(self._client, [i for i in dropped if not is_kept(i)])
+                except KvbatonError:
                     logger.debug("release of dropped handles failed", exc_info=True)
         return CreateResult(
             finish_reason=finish, content=content, usage=usage, cached=False,
@@ -484,9 +493,32 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         yield await self._finish(result, messages, names)
 
     async def close(self) -> None:
-        """Mark the client closed. The shared connection and the side table (shared by the agents of
-        this connection) stay; :meth:`release_handles` frees the table's handles."""
+        """Close the client: every handle it created that is still live is released (unless kept
+        with ``client.keep``) and leaves the side table. The shared connection stays;
+        :meth:`release_handles` frees the whole side table (every agent's)."""
         self._closed = True
+        await self._release_owned()
+
+    @property
+    def owned_handles(self) -> list[str]:
+        """The ids of the handles this client created and would release on :meth:`close`."""
+        return self._owned.owned()
+
+    async def release_run_handles(self) -> int:
+        """Release what this client created except its latest reply's handle (the one the agent's
+        next turn reuses): an instrumented team calls it when a run ends. Returns how many."""
+        return await self._release_owned(keep={self.last_handle.id} if self.last_handle is not None else set())
+
+    async def _release_owned(self, keep: set[str] | None = None) -> int:
+        keep = keep or set()
+        for handle_id in self._owned.owned():
+            if handle_id not in keep:
+                self._table.discard(handle_id)
+        try:
+            return await self._owned.arelease(keep=keep)
+        except KvbatonError as exc:  # the server is gone, say: nothing more to do here
+            logger.warning("kvbaton: releasing the handles of %s failed: %s", self._owned.name, exc)
+            return 0
 
     def actual_usage(self) -> RequestUsage:
         return RequestUsage(self._actual.prompt_tokens, self._actual.completion_tokens)
@@ -530,19 +562,13 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         return self._model_info
 
     async def release_handles(self) -> None:
-        """Release every handle of the side table (all agents on this connection)."""
-        handles = self._table.handles()
-        for handle in handles:
-            self._table.discard(handle.id)
-        if handles:
-            try:
-                await self._call("release", handles)
-            except KvbatonError:  # all-or-nothing: one was already released elsewhere
-                for handle in handles:
-                    try:
-                        await self._call("release", handle)
-                    except KvbatonError:
-                        logger.debug("handle %s was already released", handle.id)
+        """Release every handle of the side table (all agents on this connection) but kept ones."""
+        ids = [h.id for h in self._table.handles()]
+        for handle_id in ids:
+            self._table.discard(handle_id)
+        self._owned.forget(ids)
+        # kept handles stay live; one released elsewhere does not stop the rest
+        await arelease_quietly(self._client, [i for i in ids if not is_kept(i)])
 
 
 __all__ = [

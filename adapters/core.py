@@ -14,7 +14,8 @@ same for both:
 - **agent registration** — an agent's fixed prompt (its leading system messages) registered once
   per client, again only when it changes (:func:`register_fixed_prompt`);
 - **hints** — steps-to-execution of a :class:`~kvbaton.StepGraph` sent through the client's
-  ``hints()`` (:class:`HintSender`).
+  ``hints()`` (:class:`HintSender`);
+- **ownership** — runs as scopes, what a result references: :mod:`kvbaton.adapters.ownership`.
 
 Invariants: only the public client API is used (client methods, :class:`~kvbaton.Handle`,
 :class:`~kvbaton.StepGraph`), never an engine; cache hints (hints, implicit registrations) never

@@ -6,12 +6,18 @@
     app.invoke({...})                            # sends STE hints before each step
 
 - :func:`extract_step_graph` reads the graph from ``app.builder`` (static edges, joins, conditional
-  branches, Command destinations, deferred nodes, subgraphs), not from ``get_graph()``.
+  branches, Command destinations, deferred nodes, subgraphs), not from ``get_graph()``
+  (``_langgraph_graph``).
 - At run time a callback registered with ``register_configure_hook`` (active only inside the
   wrapper's calls) sees node starts and ends, sends ``client.hints(step_graph, running, finished)``
   before each step, learns wildcard routes from observed hops, and registers each agent's fixed
   prompt once per client.
 - :class:`KvbatonChatModel` is the chat model (handles on messages; see ``_langchain_model``).
+- Each call (``invoke``/``stream``/``batch`` and their async twins) is an ownership scope
+  (:mod:`kvbaton.scope`): the handles created during the run are released when it ends, except
+  those its result references — with a checkpointer, its thread's latest checkpoint. Those are
+  held per ``thread_id`` until the thread's next run supersedes them (released unless referenced
+  again) or ``app.release(thread_id)``; ``client.keep(handle)`` keeps one past every scope.
 
 What is not LangGraph-specific — the hint sender, agent registration, the tool-call convention, the
 best handle, sync/async dispatch — is :mod:`kvbaton.adapters.core`, shared with the AutoGen adapter.
@@ -23,183 +29,28 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextvars import copy_context
-from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
+from kvbaton.scope import Scope
 from kvbaton.stepgraph import StepGraph
 from langchain_core.callbacks import BaseCallbackHandler
-from langchain_core.runnables import RunnableLambda, RunnableSequence
-from langchain_core.runnables.utils import get_function_nonlocals
 from langchain_core.tracers.context import register_configure_hook
 
+from ._langgraph_graph import END, START, ExtractedGraph, extract_step_graph  # noqa: F401 - END, START: this module's names too
 from ._langchain_model import ACTIVE_RUN, KVBATON_KEY, KvbatonChatModel, agent_from_metadata, handle_of, to_chat
 from ._openai_dropin import CURRENT_CALL, CallTag, control_client, normalize_base_url
 from ._openai_dropin import install as install_openai_dropin
 from .core import HintSender, register_fixed_prompt, sync_client
+from .ownership import Threads, aend_run, end_run, referenced_ids, release_superseded, run_scope
 
 log = logging.getLogger("kvbaton.adapters.langgraph")
-
-START = "__start__"
-END = "__end__"
 
 # The run state of a wrapped call is also its callback handler: LangChain adds it to every
 # callback manager configured while ACTIVE_RUN is set (inheritable, so nested runs see it too).
 register_configure_hook(ACTIVE_RUN, inheritable=True)
-
-
-# -- graph extraction -------------------------------------------------------------------------------
-
-
-@dataclass
-class ExtractedGraph:
-    """What :func:`extract_step_graph` read from a LangGraph app."""
-
-    step_graph: StepGraph
-    subgraphs: dict[str, ExtractedGraph] = field(default_factory=dict)
-    """Inner graph per outer node whose runnable is a compiled graph (calls inside count for the outer node)."""
-    deferred: set[str] = field(default_factory=set)
-    """Nodes with ``defer=True`` (run when the rest of the step's work is done)."""
-    wildcards: set[str] = field(default_factory=set)
-    """Routers whose targets were unknown at build time (learned at run time)."""
-
-
-def _find_subgraph(runnable: Any) -> Any:
-    """A compiled graph inside a node's runnable (directly, in a sequence, or captured by the node's
-    function), like langgraph's own ``find_subgraph_pregel`` but also with checkpointer=False."""
-    from langgraph._internal._runnable import RunnableCallable
-    from langgraph.pregel import Pregel
-
-    candidates, seen = [runnable], set()
-    for c in candidates:
-        if id(c) in seen:
-            continue
-        seen.add(id(c))
-        if isinstance(c, Pregel):
-            return c
-        if isinstance(c, RunnableSequence):
-            candidates.extend(c.steps)
-        elif isinstance(c, RunnableLambda):
-            candidates.extend(c.deps)
-        elif isinstance(c, RunnableCallable):
-            fn = c.func if c.func is not None else c.afunc
-            if fn is not None:
-                try:
-                    candidates.extend(getattr(n, "__self__", n) for n in get_function_nonlocals(fn))
-                except Exception:  # noqa: BLE001 - source unavailable: no subgraph found
-                    log.debug("kvbaton: cannot inspect %r for subgraphs", fn)
-    return None
-
-
-def _merge(routers: dict[str, list[str] | None], src: str, targets: Sequence[str] | None) -> None:
-    if targets is None or (src in routers and routers[src] is None):
-        routers[src] = None
-        return
-    known = routers.setdefault(src, [])
-    assert known is not None
-    known.extend(t for t in targets if t not in known)
-
-
-def extract_step_graph(app: Any) -> ExtractedGraph:
-    """The Agent Step Graph of a compiled LangGraph graph (or a ``StateGraph`` builder).
-
-    - ``builder.edges``: plain edges; ``START -> x`` makes ``x`` an entry point; edges to END are dropped;
-    - ``builder.waiting_edges``: joins (wait for all -> max);
-    - ``builder.branches[src][name].ends``: router targets (one of them -> min); ``None`` (no path
-      map, e.g. a function returning ``Send``s) is a wildcard router, narrowed at run time;
-      a conditional entry (branch out of START) makes its targets (or every node) entry points;
-    - ``builder.nodes[n].ends``: Command destinations, added to ``n``'s router targets;
-    - error handler nodes: a router target of the node they handle;
-    - nodes with no declared successor at all (may return an unannotated ``Command``): wildcard;
-    - deferred nodes keep their edges (their extra wait is not modelled) and are listed in ``deferred``;
-    - subgraphs are extracted recursively into ``subgraphs[outer node]``; their calls are the outer
-      node's agent. (``Command(graph=Command.PARENT)`` hops cannot be declared in LangGraph: they
-      are learned at run time like any undeclared hop.)
-    """
-    builder = getattr(app, "builder", app)
-    if not hasattr(builder, "nodes") or not hasattr(builder, "edges"):
-        return _from_drawable(app)
-    graph = StepGraph()
-    result = ExtractedGraph(graph)
-    nodes = builder.nodes
-    routers: dict[str, list[str] | None] = {}
-    has_out: set[str] = set()
-    for name in nodes:
-        graph.add_agent(name)
-    for src, dst in sorted(builder.edges):
-        if src == START:
-            if dst != END:
-                graph.add_entry(dst)
-            continue
-        has_out.add(src)
-        if dst != END:
-            graph.add_edge(src, dst)
-    for starts, dst in sorted(getattr(builder, "waiting_edges", ())):
-        srcs = [s for s in starts if s != START]
-        has_out.update(srcs)
-        if dst == END:
-            continue
-        if srcs:
-            graph.add_join(srcs, dst)
-        else:
-            graph.add_entry(dst)
-    for src, branches in getattr(builder, "branches", {}).items():
-        for spec in branches.values():
-            ends = getattr(spec, "ends", None)
-            targets = None if ends is None else [t for t in ends.values() if t != END]
-            if src == START:
-                for t in targets if targets is not None else list(nodes):
-                    graph.add_entry(t)
-                continue
-            has_out.add(src)
-            _merge(routers, src, targets)
-    for name, spec in nodes.items():
-        ends = getattr(spec, "ends", None) or ()
-        if ends:
-            has_out.add(name)
-            _merge(routers, name, [t for t in ends if t != END and t in nodes])
-        if getattr(spec, "defer", False):
-            result.deferred.add(name)
-        handler = getattr(spec, "error_handler_node", None)
-        if handler:
-            _merge(routers, name, [handler])
-        sub = _find_subgraph(getattr(spec, "runnable", None))
-        if sub is not None and sub is not app:
-            inner = extract_step_graph(sub)
-            result.subgraphs[name] = inner
-    for name, spec in nodes.items():
-        if name not in has_out and not getattr(spec, "is_error_handler", False):
-            routers[name] = None
-    for src, targets in routers.items():
-        graph.add_router(src, targets)
-        if targets is None:
-            result.wildcards.add(src)
-    return result
-
-
-def _from_drawable(app: Any) -> ExtractedGraph:
-    """Fallback for graphs without a builder (e.g. the functional API): ``get_graph()``."""
-    graph = StepGraph()
-    result = ExtractedGraph(graph)
-    drawn = app.get_graph()
-    for node_id in drawn.nodes:
-        if node_id not in (START, END):
-            graph.add_agent(node_id)
-    routers: dict[str, list[str] | None] = {}
-    for e in drawn.edges:
-        if e.target == END:
-            continue
-        if e.source == START:
-            graph.add_entry(e.target)
-        elif e.conditional:
-            _merge(routers, e.source, [e.target])
-        else:
-            graph.add_edge(e.source, e.target)
-    for src, targets in routers.items():
-        graph.add_router(src, targets)
-    return result
 
 
 # -- run time ---------------------------------------------------------------------------------------
@@ -338,8 +189,10 @@ class LangGraphApp:
     delegates to the app); attributes it does not define come from the app."""
 
     def __init__(self, app: Any, client: Any = None, *, base_url: str | None = None, token: str | None = None,
-                 redirect_openai: bool = True, narrow_wildcards: bool = True) -> None:
+                 redirect_openai: bool = True, narrow_wildcards: bool = True, release_handles: bool = True) -> None:
         self.app = app
+        self.release_handles = release_handles
+        self._threads = Threads("langgraph")  # per thread_id: what its latest result references
         control = sync_client(client)
         if client is not None and control is None:
             raise TypeError("wrap() needs a kvbaton Client (or an AsyncEmbeddedClient) for its control calls")
@@ -405,65 +258,166 @@ class LangGraphApp:
             if self.narrow_wildcards and self.step_graph.routers.get(src, ()) is None and self.learned.get(src):
                 self.step_graph.set_router_targets(src, self.learned[src])
 
+    # -- ownership ------------------------------------------------------------------------------
+    @staticmethod
+    def _thread(config: Any) -> Any:
+        configurable = config.get("configurable") if isinstance(config, Mapping) else None
+        return configurable.get("thread_id") if isinstance(configurable, Mapping) else None
+
+    def _checkpointed(self, config: Any) -> bool:
+        return bool(getattr(self.app, "checkpointer", None)) and self._thread(config) is not None
+
+    def _begin(self) -> Scope | None:
+        return run_scope("langgraph run") if self.release_handles else None
+
+    def _finish(self, run: Scope | None, config: Any, output: Any, deferred: dict[Any, set[str]] | None = None) -> None:
+        """End a run: what its result (with a checkpointer: its thread's latest checkpoint)
+        references goes to the thread, the rest is released. In a batch the thread's earlier
+        handles are superseded once, by every result of the batch (``deferred``)."""
+        if run is None:
+            return
+        refs = referenced_ids(output)
+        if self._checkpointed(config):
+            try:
+                refs |= referenced_ids(self.app.get_state(config).values)
+            except Exception as exc:  # noqa: BLE001 - e.g. an async-only checkpointer: the output counts
+                log.debug("kvbaton: no checkpoint state for %r: %s", self._thread(config), exc)
+        self._settle(run, config, refs, deferred)
+        end_run(run, self._threads.owner(self._thread(config)), refs, supersede=deferred is None)
+
+    async def _afinish(self, run: Scope | None, config: Any, output: Any,
+                       deferred: dict[Any, set[str]] | None = None) -> None:
+        if run is None:
+            return
+        refs = referenced_ids(output)
+        if self._checkpointed(config):
+            try:
+                refs |= referenced_ids((await self.app.aget_state(config)).values)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("kvbaton: no checkpoint state for %r: %s", self._thread(config), exc)
+        self._settle(run, config, refs, deferred)
+        await aend_run(run, self._threads.owner(self._thread(config)), refs, supersede=deferred is None)
+
+    def _settle(self, run: Scope, config: Any, refs: set[str], deferred: dict[Any, set[str]] | None) -> None:
+        run.name = f"langgraph run of thread {self._thread(config)!r}"
+        if deferred is not None:
+            deferred.setdefault(self._thread(config), set()).update(refs)
+
+    def _supersede(self, deferred: dict[Any, set[str]]) -> None:
+        for thread, refs in deferred.items():
+            release_superseded(self._threads.owner(thread), refs)
+
+    def retained(self, thread_id: Any = None) -> list[str]:
+        """The ids of the handles held for ``thread_id`` (None: runs without one): those the
+        thread's latest result or checkpoint references."""
+        return self._threads.retained(thread_id)
+
+    def release(self, thread_id: Any = None) -> int:
+        """Release the handles held for ``thread_id`` (a thread that is done); returns how many."""
+        return self._threads.release(thread_id)
+
+    async def arelease(self, thread_id: Any = None) -> int:
+        return await self._threads.arelease(thread_id)
+
     # -- delegation -----------------------------------------------------------------------------
-    def _context(self) -> Any:
+    def _context(self, run: Scope | None) -> Any:
         ctx = copy_context()
         ctx.run(ACTIVE_RUN.set, _Run(self))
+        if run is not None:
+            ctx.run(run.activate)  # the context is the run's own: nothing to reset
         return ctx
 
     def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        return self._context().run(self.app.invoke, input, config, **kwargs)
+        return self._invoke(input, config, None, **kwargs)
+
+    def _invoke(self, input: Any, config: Any, deferred: dict[Any, set[str]] | None, **kwargs: Any) -> Any:
+        run = self._begin()
+        output = None
+        try:
+            output = self._context(run).run(self.app.invoke, input, config, **kwargs)
+            return output
+        finally:
+            self._finish(run, config, output, deferred)
 
     def stream(self, input: Any, config: Any = None, **kwargs: Any) -> Iterator[Any]:
-        ctx = self._context()
-        iterator = ctx.run(self.app.stream, input, config, **kwargs)
-        done = object()
+        run = self._begin()
+        ctx = self._context(run)
+        seen: set[str] = set()  # what the streamed states / updates referenced
         try:
-            while (item := ctx.run(next, iterator, done)) is not done:
-                yield item
+            iterator = ctx.run(self.app.stream, input, config, **kwargs)
+            done = object()
+            try:
+                while (item := ctx.run(next, iterator, done)) is not done:
+                    if run is not None:
+                        seen |= referenced_ids(item)
+                    yield item
+            finally:
+                close = getattr(iterator, "close", None)
+                if close is not None:
+                    ctx.run(close)
         finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                ctx.run(close)
+            self._finish(run, config, seen)
 
     def batch(self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False,
               **kwargs: Any) -> list[Any]:
-        """Like the app's ``batch``; each input is its own run (its own steps and hints)."""
+        """Like the app's ``batch``; each input is its own run (its own steps, hints and scope)."""
         from langchain_core.runnables.config import get_config_list, get_executor_for_config
 
         if not inputs:
             return []
         configs = get_config_list(config, len(inputs))
+        deferred: dict[Any, set[str]] = {}
 
         def one(item: Any, cfg: Any) -> Any:
             try:
-                return self.invoke(item, cfg, **kwargs)
+                return self._invoke(item, cfg, deferred, **kwargs)
             except Exception as exc:
                 if return_exceptions:
                     return exc
                 raise
 
-        with get_executor_for_config(configs[0]) as executor:
-            return list(executor.map(one, inputs, configs))
+        try:
+            with get_executor_for_config(configs[0]) as executor:
+                return list(executor.map(one, inputs, configs))
+        finally:
+            self._supersede(deferred)
 
     async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
+        return await self._ainvoke(input, config, None, **kwargs)
+
+    async def _ainvoke(self, input: Any, config: Any, deferred: dict[Any, set[str]] | None, **kwargs: Any) -> Any:
+        run = self._begin()
         token = ACTIVE_RUN.set(_Run(self))
+        scoped = run.activate() if run is not None else None
+        output = None
         try:
-            return await self.app.ainvoke(input, config, **kwargs)
+            output = await self.app.ainvoke(input, config, **kwargs)
+            return output
         finally:
             _reset(token)
+            if scoped is not None:
+                Scope.deactivate(scoped)
+            await self._afinish(run, config, output, deferred)
 
     async def astream(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:
+        run = self._begin()
         token = ACTIVE_RUN.set(_Run(self))
+        scoped = run.activate() if run is not None else None
+        seen: set[str] = set()
         try:
             async for item in self.app.astream(input, config, **kwargs):
+                if run is not None:
+                    seen |= referenced_ids(item)
                 yield item
         finally:
             _reset(token)
+            if scoped is not None:
+                Scope.deactivate(scoped)
+            await self._afinish(run, config, seen)
 
     async def abatch(self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False,
                      **kwargs: Any) -> list[Any]:
-        """Like the app's ``abatch``; each input is its own run (its own steps and hints)."""
+        """Like the app's ``abatch``; each input is its own run (its own steps, hints and scope)."""
         import asyncio
 
         from langchain_core.runnables.config import get_config_list
@@ -473,15 +427,19 @@ class LangGraphApp:
         configs = get_config_list(config, len(inputs))
         limit = configs[0].get("max_concurrency")
         gate = asyncio.Semaphore(limit) if limit else None
+        deferred: dict[Any, set[str]] = {}
 
         async def one(item: Any, cfg: Any) -> Any:
             if gate is None:
-                return await self.ainvoke(item, cfg, **kwargs)
+                return await self._ainvoke(item, cfg, deferred, **kwargs)
             async with gate:
-                return await self.ainvoke(item, cfg, **kwargs)
+                return await self._ainvoke(item, cfg, deferred, **kwargs)
 
-        return list(await asyncio.gather(*(one(i, c) for i, c in zip(inputs, configs)),
-                                         return_exceptions=return_exceptions))
+        try:
+            return list(await asyncio.gather(*(one(i, c) for i, c in zip(inputs, configs)),
+                                             return_exceptions=return_exceptions))
+        finally:
+            self._supersede(deferred)
 
 
 def _reset(token: Any) -> None:
@@ -492,7 +450,7 @@ def _reset(token: Any) -> None:
 
 
 def wrap(app: Any, client: Any = None, *, base_url: str | None = None, token: str | None = None,
-         redirect_openai: bool = True, narrow_wildcards: bool = True) -> LangGraphApp:
+         redirect_openai: bool = True, narrow_wildcards: bool = True, release_handles: bool = True) -> LangGraphApp:
     """Wrap a compiled LangGraph graph.
 
     ``client`` (a kvbaton Client; an AsyncEmbeddedClient's sync client is used) receives the STE
@@ -506,9 +464,12 @@ def wrap(app: Any, client: Any = None, *, base_url: str | None = None, token: st
     AIMessage, and hints/registrations go to the server unless ``client`` is given.
 
     ``narrow_wildcards``: once a step's hops are seen, replace a wildcard router's targets by the
-    hops observed so far (else they are only added as edges and the wildcard stays)."""
+    hops observed so far (else they are only added as edges and the wildcard stays).
+
+    ``release_handles``: each call is an ownership scope (see the module docstring; ``False``:
+    nothing is released, the handles are the caller's)."""
     return LangGraphApp(app, client, base_url=base_url, token=token, redirect_openai=redirect_openai,
-                        narrow_wildcards=narrow_wildcards)
+                        narrow_wildcards=narrow_wildcards, release_handles=release_handles)
 
 
 __all__ = [

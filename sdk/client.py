@@ -21,6 +21,7 @@ from .capabilities import Capabilities
 from .errors import InvalidRequest
 from .handle import Handle, Segment
 from .ops import Context, HandleLike, KVOps, Messages
+from .scope import Scope, arecord_stream, keep, record, record_stream, released
 from .stepgraph import StepGraph
 from .stream import AsyncTokenStream, TokenStream
 from .types import AgentInfo, Composition, Fidelity, Result, SamplingParams, Stats
@@ -43,6 +44,18 @@ def _mapping(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return None if value is None else dict(value)
 
 
+def _items(handles: HandleLike | Iterable[HandleLike]) -> HandleLike | list[HandleLike]:
+    """``handles`` as a single handle or a list (an iterable is read once: the backend and the
+    ownership bookkeeping both see it)."""
+    return handles if isinstance(handles, Handle | str) else list(handles)
+
+
+def _inputs(prefix: Any, parts: Sequence[Any]) -> list[Handle]:
+    """The handles a compose or merge reads (a result with one of their ids is not a new handle)."""
+    found = [prefix] if isinstance(prefix, Handle) else []
+    return found + [p if isinstance(p, Handle) else p.handle for p in parts if isinstance(p, Handle | Segment)]
+
+
 class Client:
     """Handle operators on one model, over any backend of the :class:`~kvbaton.ops.KVOps` contract
     (``client.ops``): the embedded engine, a multi-device cluster, SGLang, or a server over HTTP.
@@ -61,59 +74,62 @@ class Client:
 
     def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
         """Prefill ``context`` (text or token ids) and return a handle to its KV."""
-        return self.ops.materialize(context, agent=agent)
+        return record(self, self.ops.materialize(context, agent=agent))
 
     def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
         """``k`` new handles sharing every KV block of ``handle`` (zero copy)."""
-        return self.ops.fork(handle, k)
+        return record(self, self.ops.fork(handle, k), handle)
 
     def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
         """A new handle: ``handle``'s context followed by ``context``, prefilled, nothing generated."""
-        return self.ops.extend(handle, context, agent=agent)
+        return record(self, self.ops.extend(handle, context, agent=agent), handle)
 
     def resume(
         self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> Result:
         """Prefill ``suffix`` behind ``handle`` and generate."""
-        return self.ops.resume(handle, suffix, sampling_params(sampling, options), agent=agent)
+        return record(self, self.ops.resume(handle, suffix, sampling_params(sampling, options), agent=agent), handle)
 
     def resume_stream(
         self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> TokenStream:
         """Like :meth:`resume`, yielding text as it is generated."""
-        return self.ops.resume_stream(handle, suffix, sampling_params(sampling, options), agent=agent)
+        stream = self.ops.resume_stream(handle, suffix, sampling_params(sampling, options), agent=agent)
+        return record_stream(self, stream, handle)
 
     def complete(
         self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
     ) -> Result:
         """Plain completion of text or token ids, without a handle or chat template (text replay)."""
-        return self.ops.complete(prompt, sampling_params(sampling, options), agent=agent)
+        return record(self, self.ops.complete(prompt, sampling_params(sampling, options), agent=agent))
 
     def complete_stream(
         self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
     ) -> TokenStream:
         """Like :meth:`complete`, yielding text as it is generated."""
-        return self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent)
+        return record_stream(self, self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent))
 
     def generate(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
     ) -> Result:
         """Chat generation; the KV of ``handle`` is reused for the longest common token prefix."""
-        return self.ops.generate(
+        result = self.ops.generate(
             messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
         )
+        return record(self, result, *([handle] if handle is not None else []))
 
     def generate_stream(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
     ) -> TokenStream:
         """Like :meth:`generate`, yielding text as it is generated."""
-        return self.ops.generate_stream(
+        stream = self.ops.generate_stream(
             messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
         )
+        return record_stream(self, stream, *([handle] if handle is not None else []))
 
     def compose(
         self, prefix: Handle | Context | None = None, segments: Sequence[Segment | Handle] = (),
@@ -126,7 +142,8 @@ class Client:
         context (``mode="auto"``, gated, with dense fallback), only re-aligned (``"rotate"``), or
         recomputed (``"dense"``). The report says per segment what happened and why; approximate
         results have ``handle.exact == False``. ``correction`` overrides the anchor-pool settings."""
-        return self.ops.compose(prefix, segments, suffix, agent=agent, mode=mode, correction=_mapping(correction))
+        out = self.ops.compose(prefix, segments, suffix, agent=agent, mode=mode, correction=_mapping(correction))
+        return record(self, out, *_inputs(prefix, segments))
 
     def merge(
         self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
@@ -134,7 +151,7 @@ class Client:
     ) -> Composition:
         """Restricted merge: prefix-compatible handles give the longest; segments are concatenated
         through :meth:`compose`; divergent KV of the same positions raises MergeConflict."""
-        return self.ops.merge(parts, agent=agent, mode=mode, correction=_mapping(correction))
+        return record(self, self.ops.merge(parts, agent=agent, mode=mode, correction=_mapping(correction)), *_inputs(None, parts))
 
     def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
         """Measure a (composed) handle against dense prefill of its tokens: first-token agreement,
@@ -147,11 +164,13 @@ class Client:
         or recomputes them from lineage, whichever its cost model predicts faster; the returned
         handle (same id) carries the new placement and a ``transfer`` lineage step. With a single
         device, a transfer to that device is a no-op and any other target raises InvalidRequest."""
-        return self.ops.transfer(handle, device)
+        return record(self, self.ops.transfer(handle, device), handle)
 
     def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
         """Drop handles; their blocks are freed once no other handle shares them."""
-        self.ops.release(handles)
+        items = _items(handles)
+        self.ops.release(items)
+        released(items)
 
     def stats(self) -> Stats:
         """Pool usage and reuse counters."""
@@ -188,6 +207,17 @@ class Client:
         """What the engine behind this client does exactly, corrects, recomputes or cannot do."""
         return self.ops.capabilities()
 
+    def scope(self, *, name: str = "scope") -> Scope:
+        """An ownership scope: ``with client.scope() as s:`` records every handle created through
+        this client inside the block and releases, at its end, those not kept (``s.keep(h)``,
+        :meth:`keep`) nor released already (see :mod:`kvbaton.scope`)."""
+        return Scope(self, name=name)
+
+    def keep(self, *handles: HandleLike) -> None:
+        """Keep ``handles`` past the end of every scope (and adapter run) that created them; only
+        :meth:`release` frees them."""
+        keep(list(handles))
+
     def close(self) -> None:
         """Free the client's resources. The client is unusable afterwards."""
 
@@ -213,51 +243,55 @@ class AsyncClient:
         self.ops = ops
 
     async def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
-        return await self.ops.materialize(context, agent=agent)  # type: ignore[no-any-return]
+        return record(self, await self.ops.materialize(context, agent=agent))  # type: ignore[no-any-return]
 
     async def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
-        return await self.ops.fork(handle, k)  # type: ignore[no-any-return]
+        return record(self, await self.ops.fork(handle, k), handle)  # type: ignore[no-any-return]
 
     async def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
-        return await self.ops.extend(handle, context, agent=agent)  # type: ignore[no-any-return]
+        return record(self, await self.ops.extend(handle, context, agent=agent), handle)  # type: ignore[no-any-return]
 
     async def resume(
         self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> Result:
-        return await self.ops.resume(handle, suffix, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
+        result = await self.ops.resume(handle, suffix, sampling_params(sampling, options), agent=agent)
+        return record(self, result, handle)  # type: ignore[no-any-return]
 
     async def resume_stream(
         self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> AsyncTokenStream:
-        return await self.ops.resume_stream(handle, suffix, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
+        stream = await self.ops.resume_stream(handle, suffix, sampling_params(sampling, options), agent=agent)
+        return arecord_stream(self, stream, handle)
 
     async def complete(
         self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
     ) -> Result:
-        return await self.ops.complete(prompt, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
+        return record(self, await self.ops.complete(prompt, sampling_params(sampling, options), agent=agent))  # type: ignore[no-any-return]
 
     async def complete_stream(
         self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
     ) -> AsyncTokenStream:
-        return await self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent)  # type: ignore[no-any-return]
+        return arecord_stream(self, await self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent))
 
     async def generate(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
     ) -> Result:
-        return await self.ops.generate(  # type: ignore[no-any-return]
+        result = await self.ops.generate(
             messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
         )
+        return record(self, result, *([handle] if handle is not None else []))  # type: ignore[no-any-return]
 
     async def generate_stream(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
     ) -> AsyncTokenStream:
-        return await self.ops.generate_stream(  # type: ignore[no-any-return]
+        stream = await self.ops.generate_stream(
             messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
         )
+        return arecord_stream(self, stream, *([handle] if handle is not None else []))
 
     async def compose(
         self, prefix: Handle | Context | None = None, segments: Sequence[Segment | Handle] = (),
@@ -265,16 +299,16 @@ class AsyncClient:
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
         """:meth:`Client.compose`, awaited."""
-        return await self.ops.compose(  # type: ignore[no-any-return]
-            prefix, segments, suffix, agent=agent, mode=mode, correction=_mapping(correction)
-        )
+        out = await self.ops.compose(prefix, segments, suffix, agent=agent, mode=mode, correction=_mapping(correction))
+        return record(self, out, *_inputs(prefix, segments))  # type: ignore[no-any-return]
 
     async def merge(
         self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
         """:meth:`Client.merge`, awaited."""
-        return await self.ops.merge(parts, agent=agent, mode=mode, correction=_mapping(correction))  # type: ignore[no-any-return]
+        out = await self.ops.merge(parts, agent=agent, mode=mode, correction=_mapping(correction))
+        return record(self, out, *_inputs(None, parts))  # type: ignore[no-any-return]
 
     async def fidelity(
         self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None
@@ -284,10 +318,12 @@ class AsyncClient:
 
     async def transfer(self, handle: HandleLike, device: int | str) -> Handle:
         """:meth:`Client.transfer`, awaited."""
-        return await self.ops.transfer(handle, device)  # type: ignore[no-any-return]
+        return record(self, await self.ops.transfer(handle, device), handle)  # type: ignore[no-any-return]
 
     async def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
-        await self.ops.release(handles)
+        items = _items(handles)
+        await self.ops.release(items)
+        released(items)
 
     async def stats(self) -> Stats:
         return await self.ops.stats()  # type: ignore[no-any-return]
@@ -318,6 +354,14 @@ class AsyncClient:
     async def capabilities(self) -> Capabilities:
         """:meth:`Client.capabilities`, awaited."""
         return await self.ops.capabilities()  # type: ignore[no-any-return]
+
+    def scope(self, *, name: str = "scope") -> Scope:
+        """:meth:`Client.scope`: ``async with client.scope() as s:``."""
+        return Scope(self, name=name)
+
+    def keep(self, *handles: HandleLike) -> None:
+        """:meth:`Client.keep` (no I/O: not a coroutine)."""
+        keep(list(handles))
 
     async def close(self) -> None:
         """Free the client's resources. The client is unusable afterwards."""
