@@ -165,6 +165,21 @@ def test_health_and_requests_say_unavailable_when_every_worker_is_dead(extra_ser
             client.health()
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize(("module", "name"), [("kvbaton.backend.engine", "Engine"),
+                                              ("kvbaton.backend.cluster", "Cluster"),
+                                              ("kvbaton.backend.sglang_plugin.engine", "SglangEngine")])
+def test_every_engine_says_whether_it_can_serve(module, name):
+    import importlib
+    import inspect
+
+    from kvbaton.ops import EngineOps
+
+    cls = getattr(importlib.import_module(module), name)
+    assert [p for p in inspect.signature(cls.healthy).parameters if p != "self"] == []
+    assert "healthy" in vars(EngineOps)
+
+
 # -- 3. stats of other tenants ---------------------------------------------------------------------------
 
 
