@@ -173,6 +173,13 @@ class Cluster:
         """The model's context length in tokens."""
         return self.loaded.max_context
 
+    def healthy(self) -> tuple[bool, str]:
+        """Serves while at least one worker is alive."""
+        live = sum(1 for w in self.workers if w.alive)
+        if not live:
+            return False, f"every worker is down (0 of {len(self.workers)} alive)"
+        return True, f"{live} of {len(self.workers)} workers alive"
+
     def capabilities(self) -> Capabilities:
         """Every worker runs kvbaton's own engine."""
         return KVBATON

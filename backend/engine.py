@@ -140,6 +140,10 @@ class Engine:
         """The model's context length in tokens."""
         return self.loaded.max_context
 
+    def healthy(self) -> tuple[bool, str]:
+        """An in-process engine serves while its process runs."""
+        return True, "ok"
+
     def capabilities(self) -> Capabilities:
         """What this engine does exactly, corrects, recomputes or cannot do."""
         return KVBATON

@@ -201,9 +201,13 @@ class HintsResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"] = "ok"
+    """``/health``: ``ok`` (200), or ``unhealthy`` (503) with the reason and the error schema's ``error``."""
+
+    status: Literal["ok", "unhealthy"] = "ok"
     model: str
     version: str
+    reason: str | None = Field(default=None, description="Why the engine cannot serve (unhealthy only).")
+    error: ErrorDetail | None = Field(default=None, description="`server_unavailable` (unhealthy only).")
 
 
 # -- OpenAI compatible ----------------------------------------------------------------------------

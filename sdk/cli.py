@@ -34,6 +34,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         DEFAULT_HOST,
         DEFAULT_MAX_AGENTS,
         DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_MAX_HANDLES_PER_TENANT,
         DEFAULT_MAX_N,
         DEFAULT_OPENAI_MAX_TOKENS,
         DEFAULT_PORT,
@@ -100,9 +101,18 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"max_tokens of OpenAI requests that set none (default {DEFAULT_OPENAI_MAX_TOKENS})")
     lim.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help=f"largest OpenAI n (default {DEFAULT_MAX_N})")
     lim.add_argument("--max-agents", type=int, default=DEFAULT_MAX_AGENTS,
-                     help=f"agents whose latest handle the OpenAI endpoints retain (default {DEFAULT_MAX_AGENTS})")
+                     help="agents per tenant whose latest handle the OpenAI endpoints retain "
+                     f"(default {DEFAULT_MAX_AGENTS})")
     lim.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                      help=f"worker threads for engine calls (default {DEFAULT_THREADS})")
+    lim.add_argument("--max-handles-per-tenant", type=int, default=DEFAULT_MAX_HANDLES_PER_TENANT,
+                     help="live handles one tenant may hold, else 429 quota_exceeded; 0: no limit "
+                     f"(default {DEFAULT_MAX_HANDLES_PER_TENANT})")
+    lim.add_argument("--max-kv-bytes-per-tenant", default=None, metavar="SIZE",
+                     help='KV bytes one tenant\'s live handles may hold, counted as their tokens x bytes per '
+                     'token, e.g. "2GiB" or "800 blocks", else 429 quota_exceeded (default: no limit)')
+    lim.add_argument("--handle-ttl", type=float, default=None, metavar="SECONDS",
+                     help="release handles no operation named for this long (default: never)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -160,11 +170,18 @@ def _serve(args: argparse.Namespace) -> int:
             max_n=args.max_n,
             max_agents=args.max_agents,
             threads=args.threads,
+            **_tenant_limits(args),
         )
     except KvbatonError as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _tenant_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The per-tenant quotas and the idle-handle TTL of ``create_app``."""
+    return {"max_handles_per_tenant": args.max_handles_per_tenant,
+            "max_kv_bytes_per_tenant": args.max_kv_bytes_per_tenant, "handle_ttl": args.handle_ttl}
 
 
 def _serve_worker(args: argparse.Namespace, devices: list[str] | None, engine_options: dict[str, Any]) -> int:
@@ -219,7 +236,7 @@ def _serve_sglang(args: argparse.Namespace, tokens: list[str]) -> int:
 
         serve(args.host, args.port, model=args.model, token=tokens, log_level=args.log_level, engine_options=options,
               max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
-              max_n=args.max_n, max_agents=args.max_agents, threads=args.threads)
+              max_n=args.max_n, max_agents=args.max_agents, threads=args.threads, **_tenant_limits(args))
     except KvbatonError as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2

@@ -80,6 +80,14 @@ class PoolExhausted(KvbatonError):
     status = 503
 
 
+class QuotaExceeded(KvbatonError):
+    """The tenant is at one of its quotas (live handles, KV bytes held by its handles); release
+    handles first. Retrying the same request does not help until then."""
+
+    code = "quota_exceeded"
+    status = 429
+
+
 class ModelNotFound(KvbatonError):
     """The requested model is not installed or not a supported local checkpoint."""
 
@@ -102,10 +110,11 @@ class Unauthorized(KvbatonError):
 
 
 class ServerUnavailable(KvbatonError):
-    """The server could not be reached, or the connection broke or timed out mid-request."""
+    """The server could not be reached, the connection broke or timed out mid-request, or the
+    server's engine cannot serve right now (every worker down): retry later."""
 
     code = "server_unavailable"
-    status = 503  # raised by clients, never answered by a server: the status says what it means
+    status = 503  # raised by clients, and answered (with Retry-After) by a server whose engine is down
 
 
 class ServerError(KvbatonError):
@@ -127,6 +136,7 @@ ERRORS_BY_CODE: dict[str, type[KvbatonError]] = {
         UnsupportedPositions,
         MergeConflict,
         PoolExhausted,
+        QuotaExceeded,
         ModelNotFound,
         PayloadTooLarge,
         Unauthorized,

@@ -126,6 +126,10 @@ class EngineOps(KVOps, Protocol):
         """The model's context length in tokens, when it says."""
         ...
 
+    def healthy(self) -> tuple[bool, str]:
+        """Whether the engine can serve requests now, and a short reason (a server's ``/health``)."""
+        ...
+
 
 # The operators by name, e.g. for a worker's whitelist of methods its coordinator may call.
 OPERATORS: frozenset[str] = frozenset(

@@ -15,6 +15,8 @@ DEFAULT_OPENAI_MAX_TOKENS = 256
 DEFAULT_MAX_N = 8
 DEFAULT_MAX_AGENTS = 1024
 DEFAULT_THREADS = 64
+DEFAULT_MAX_HANDLES_PER_TENANT = 4096  # live handles of one tenant (0: no limit)
+MAX_JSON_DEPTH = 64  # deepest nesting of arrays/objects in a request body
 TOKEN_ENV = "KVBATON_TOKEN"
 
 

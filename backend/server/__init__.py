@@ -17,7 +17,9 @@ on the model.
 
 Security: with tokens configured, every request needs ``Authorization: Bearer <token>``; each token
 is a tenant, and handles are visible only to the tenant that made them (any other tenant gets the
-same 404 as for an unknown id).
+same 404 as for an unknown id); each tenant is held to quotas of live handles and KV bytes (429
+``quota_exceeded``), and idle handles may expire (``handle_ttl``). ``/health`` is 503 while the engine
+cannot serve (every worker down), and so are the requests that fail meanwhile.
 
 Modules, one concept each: ``app`` (create_app, serve), ``state`` (what the endpoints share),
 ``tenancy`` (tenants, handle owners, agent slots), ``errors`` (the error schema and handlers),

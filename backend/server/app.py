@@ -3,24 +3,28 @@
 
 Invariants: the engine is a :class:`kvbaton.ops.EngineOps` (anything else is a ``TypeError`` at
 ``create_app``, not an error on some later request); middlewares run outermost first as metrics,
-auth, body limit, so metrics see every answer and auth runs before a body is read.
+auth, body limit, so metrics see every answer and auth runs before a body is read; ``/health`` is
+200 only while the engine can serve (else 503 "unhealthy" with the reason); with a handle TTL, a
+sweeper task lives as long as the app and releases idle handles.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+import anyio
 import kvbaton
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from kvbaton import serverconf as conf
 from kvbaton.capabilities import Capabilities
 from kvbaton.ops import EngineOps
 
 from .. import protocol as p
-from .errors import ERROR_RESPONSES, install_error_handlers
+from .errors import ERROR_RESPONSES, RETRY_AFTER_S, install_error_handlers
 from .metrics import CONTENT_TYPE
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from .native import add_native_routes
@@ -54,6 +58,9 @@ def create_app(
     max_n: int = conf.DEFAULT_MAX_N,
     max_agents: int = conf.DEFAULT_MAX_AGENTS,
     threads: int = conf.DEFAULT_THREADS,
+    max_handles_per_tenant: int | None = conf.DEFAULT_MAX_HANDLES_PER_TENANT,
+    max_kv_bytes_per_tenant: int | str | None = None,
+    handle_ttl: float | None = None,
 ) -> FastAPI:
     """The FastAPI app around ``target``: a :class:`kvbaton.backend.Engine` (or any
     :class:`kvbaton.ops.EngineOps`: ``Cluster``, ``SglangEngine``) or an ``EmbeddedClient``.
@@ -62,27 +69,49 @@ def create_app(
     ``None`` (or empty) serves without authentication, everything in one tenant.
     ``max_tokens`` caps ``max_tokens`` of every request (default: the model's context);
     ``default_max_tokens`` applies to OpenAI requests that give none.
+    ``max_handles_per_tenant`` (0/None: no limit) and ``max_kv_bytes_per_tenant`` (bytes, ``"2GiB"``
+    or ``"N blocks"``; None: no limit) are each tenant's quotas (429 ``quota_exceeded`` beyond);
+    ``handle_ttl`` (seconds; None: off) releases handles no operation named for that long.
     """
     engine = engine_of(target)
     tenants = tenant_map(token)
     state = ServerState(
         engine, tenants=tenants, max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n,
         max_agents=max_agents, threads=threads, fallback_max_tokens=DEFAULT_MAX_TOKENS,
+        max_handles_per_tenant=max_handles_per_tenant, max_kv_bytes_per_tenant=max_kv_bytes_per_tenant,
+        handle_ttl=handle_ttl,
     )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tasks:
+            if state.handle_ttl is not None:
+                tasks.start_soon(_sweep_forever, state)
+            yield
+            tasks.cancel_scope.cancel()
 
     app = FastAPI(
         title="kvbaton",
         version=kvbaton.__version__,
         description="Pass KV-cache handles instead of text between LLM agents.",
+        lifespan=lifespan,
     )
     app.state.kvbaton = state
-    install_error_handlers(app)
+    install_error_handlers(app, state.healthy)
     add_native_routes(app, state)
     add_openai_routes(app, state)
 
-    @app.get("/health", response_model=p.Health, tags=["server"])
-    async def health() -> p.Health:
-        return p.Health(model=state.model, version=kvbaton.__version__)
+    @app.get("/health", response_model=p.Health, response_model_exclude_none=True, tags=["server"],
+             responses={503: {"model": p.Health}})
+    async def health() -> Any:
+        """200 while the engine can serve; 503 ``unhealthy`` with the reason (and the error schema, so
+        SDK clients raise ``ServerUnavailable``) when it cannot, e.g. every worker of a cluster is down."""
+        ok, reason = state.healthy()
+        if ok:
+            return p.Health(model=state.model, version=kvbaton.__version__)
+        error = p.ErrorDetail(code="server_unavailable", message=f"the engine cannot serve now: {reason}")
+        body = p.Health(status="unhealthy", reason=reason, model=state.model, version=kvbaton.__version__, error=error)
+        return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": RETRY_AFTER_S})
 
     @app.get("/v1/capabilities", response_model=Capabilities, tags=["server"], responses=ERROR_RESPONSES)
     async def capabilities() -> Capabilities:
@@ -98,6 +127,21 @@ def create_app(
     app.add_middleware(AuthMiddleware, tenants=tenants)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     return app
+
+
+async def _sweep_forever(state: ServerState) -> None:
+    """Release idle handles every quarter TTL (at most every 30 s); a failed sweep is logged, not fatal."""
+    assert state.handle_ttl is not None
+    interval = min(max(state.handle_ttl / 4, 0.05), 30.0)
+    while True:
+        await anyio.sleep(interval)
+        try:
+            swept = await state.run(state.sweep)
+        except Exception:  # noqa: BLE001 - the next sweep tries again
+            log.exception("handle TTL sweep failed")
+            continue
+        if swept:
+            log.info("released %d handle(s) idle for over %g s", len(swept), state.handle_ttl)
 
 
 def serve(

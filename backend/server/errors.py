@@ -1,9 +1,11 @@
 """The server's one error schema: ``{"error": {"code": ..., "message": ...}}``.
 
 Owns the JSON error body, the exception handlers that answer every failure with it, and the
-OpenAPI description of error answers. Invariant: an SDK error answers with its class's ``status``
+OpenAPI description of error answers. Invariants: an SDK error answers with its class's ``status``
 (``kvbaton.errors``), so the status of a code is written in one place; the only codes without an
-exception class are the router's own (``not_found``, ``method_not_allowed``).
+exception class are the router's own (``not_found``, ``method_not_allowed``); a server-side failure
+while the engine says it cannot serve (every worker down) is 503 ``server_unavailable``, not 500;
+capacity answers (503) carry ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvbaton.errors import (
     PayloadTooLarge,
     PoolExhausted,
     ServerError,
+    ServerUnavailable,
     Unauthorized,
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,6 +34,8 @@ from .. import protocol as p
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Health = Callable[[], tuple[bool, str]]  # whether the engine can serve, and why (not)
+RETRY_AFTER_S = "1"
 
 # Codes of router answers that no SDK exception stands for, by HTTP status.
 _ROUTER_CODES: dict[int, str] = {
@@ -50,12 +55,25 @@ def error_response(code: str, message: str, status: int, headers: dict[str, str]
 
 
 def exception_response(exc: KvbatonError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if isinstance(exc, PoolExhausted) else None
+    headers = {"Retry-After": RETRY_AFTER_S} if isinstance(exc, PoolExhausted | ServerUnavailable) else None
     return error_response(exc.code, exc.message, exc.status, headers=headers)
 
 
-def in_band_error(exc: Exception) -> dict[str, Any]:
+def unavailable(exc: BaseException, healthy: Health | None) -> ServerUnavailable | None:
+    """``ServerUnavailable`` when ``exc`` is the server's failure (5xx, or no SDK error) and the
+    engine says it cannot serve now; None otherwise (the request's own fault stays as it is)."""
+    if healthy is None or (isinstance(exc, KvbatonError) and exc.status < 500):
+        return None
+    try:
+        ok, reason = healthy()
+    except Exception:  # noqa: BLE001 - a health check that fails says enough
+        ok, reason = False, "the engine's health check failed"
+    return None if ok else ServerUnavailable(f"the engine cannot serve now: {reason}")
+
+
+def in_band_error(exc: Exception, healthy: Health | None = None) -> dict[str, Any]:
     """The error body of a failure after a response has started (reported inside the stream)."""
+    exc = unavailable(exc, healthy) or exc
     if isinstance(exc, KvbatonError):
         return error_body(exc.code, exc.message)
     log.exception("stream failed", exc_info=exc)
@@ -76,10 +94,13 @@ def template_errors(fn: Callable[[], T]) -> T:
         raise
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, healthy: Health | None = None) -> None:
+    """Answer every failure with the error schema; ``healthy`` turns server failures into 503 while
+    the engine cannot serve."""
+
     @app.exception_handler(KvbatonError)
     async def kvbaton_error(request: Request, exc: KvbatonError) -> JSONResponse:
-        return exception_response(exc)
+        return exception_response(unavailable(exc, healthy) or exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -101,6 +122,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        down = unavailable(exc, healthy)
+        if down is not None:
+            return exception_response(down)
         log.exception("internal error on %s %s", request.method, request.url.path)
         return error_response(ServerError.code, f"internal server error ({type(exc).__name__})", ServerError.status)
 

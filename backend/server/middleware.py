@@ -2,18 +2,22 @@
 
 Invariants: metrics see every answer (401 and 413 included) and label it by route template; auth
 runs before any body is read, and records the tenant in ``scope["kvbaton.tenant"]``; an endpoint
-only ever sees a whole body of at most ``max_bytes``, read as JSON, with no lone UTF-16 surrogate.
+only ever sees a whole body of at most ``max_bytes``, read as JSON, nested at most ``max_depth``
+levels (checked without recursion before anything parses it: deeper JSON would exhaust the parsers'
+recursion), with no lone UTF-16 surrogate; a refused body is answered on a connection that stays open.
 """
 
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvbaton import serverconf as conf
 from kvbaton.errors import InvalidRequest, KvbatonError, PayloadTooLarge, Unauthorized
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -112,6 +116,18 @@ _DRAIN_BYTES = 64 * 1024 * 1024
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}")
 
 
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def json_depth(data: bytes) -> int:
+    """How deeply the arrays and objects of JSON text nest, without parsing (or recursing): string
+    literals are cut out, then the brackets left are summed in C (``accumulate``)."""
+    brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
+
+
 def _has_lone_surrogate(value: Any) -> bool:
     if isinstance(value, str):
         try:
@@ -127,12 +143,13 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 class BodyLimitMiddleware(_HttpMiddleware):
-    """Reads the whole body up front: 413 beyond ``max_bytes``, 400 for JSON text that is not
-    Unicode (lone UTF-16 surrogate escapes)."""
+    """Reads the whole body up front: 413 beyond ``max_bytes``, 400 for JSON nested deeper than
+    ``max_depth`` and for JSON text that is not Unicode (lone UTF-16 surrogate escapes)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_depth: int = conf.MAX_JSON_DEPTH) -> None:
         super().__init__(app)
         self.max_bytes = max_bytes
+        self.max_depth = max_depth
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         too_large = f"request body exceeds the server's limit of {self.max_bytes} bytes"
@@ -162,6 +179,10 @@ class BodyLimitMiddleware(_HttpMiddleware):
             if not message.get("more_body", False):
                 break
         data = b"".join(chunks)
+        if json_depth(data) > self.max_depth:
+            await _send_error(send, InvalidRequest(
+                f"request JSON nests deeper than the server's limit of {self.max_depth} levels"))
+            return
         if _SURROGATE_ESCAPE.search(data):
             try:
                 lone = _has_lone_surrogate(json.loads(data))

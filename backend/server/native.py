@@ -1,7 +1,8 @@
 """The native handle API under ``/v1/kv/...``: one route per operator of :class:`kvbaton.ops.KVOps`.
 
-Each route checks that the handles it is given are the caller's tenant's, names agents for the
-engine, calls the engine in a worker thread and records the handles it made for the tenant.
+Each route checks that the handles it is given are the caller's tenant's, admits the request
+within the tenant's quotas, names agents for the engine, calls the engine in a worker thread and
+records the handles it made for the tenant.
 Generation answers a ``Result``, or with ``stream: true`` server-sent events: ``event: chunk`` per
 ``StreamChunk``, then ``event: result`` (or ``event: error``).
 """
@@ -28,7 +29,7 @@ from .tenancy import request_agent, request_tenant
 
 
 class NativeEvents(StreamEvents):
-    """``event: chunk`` per chunk, then ``event: result``; the result handle is recorded for the tenant."""
+    """``event: chunk`` per chunk, then ``event: result`` (the driver records the result handle for the tenant)."""
 
     def __init__(self, state: ServerState, tenant: str, endpoint: str) -> None:
         self.state, self.tenant, self.endpoint = state, tenant, endpoint
@@ -37,7 +38,6 @@ class NativeEvents(StreamEvents):
         return [sse(chunk.model_dump_json(), "chunk")]
 
     def closing(self, index: int, result: Result, last: bool) -> list[str]:
-        self.state.record(self.tenant, [result.handle])
         self.state.metrics.observe(self.endpoint, result)
         return []
 
@@ -59,8 +59,9 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
     async def materialize(body: p.MaterializeRequest, request: Request) -> Handle:
         tenant = request_tenant(request)
         agent = agent_of(request, tenant, body.agent)
-        handle = await state.run(engine.materialize, body.context, agent=agent)
-        state.record(tenant, [handle])
+        with state.admit(tenant):
+            handle = await state.run(engine.materialize, body.context, agent=agent)
+            state.record(tenant, [handle])
         return handle
 
     @app.post("/v1/kv/extend", response_model=Handle, **kv)
@@ -68,16 +69,18 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
         tenant = request_tenant(request)
         state.check_owned(tenant, [body.handle])
         agent = agent_of(request, tenant, body.agent)
-        handle = await state.run(engine.extend, body.handle, body.context, agent=agent)
-        state.record(tenant, [handle])
+        with state.admit(tenant):
+            handle = await state.run(engine.extend, body.handle, body.context, agent=agent)
+            state.record(tenant, [handle])
         return handle
 
     @app.post("/v1/kv/fork", response_model=p.ForkResponse, **kv)
     async def fork(body: p.ForkRequest, request: Request) -> p.ForkResponse:
         tenant = request_tenant(request)
         state.check_owned(tenant, [body.handle])
-        handles = await state.run(engine.fork, body.handle, body.k)
-        state.record(tenant, handles)
+        with state.admit_fork(tenant, body.handle, body.k):
+            handles = await state.run(engine.fork, body.handle, body.k)
+            state.record(tenant, handles)
         return p.ForkResponse(handles=handles)
 
     @app.post("/v1/kv/transfer", response_model=Handle, **kv)
@@ -95,8 +98,9 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
                 for part in parts]
 
     async def composed(tenant: str, run: Callable[[], Composition]) -> Composition:
-        result = await state.run(run)
-        state.record(tenant, [result.handle])
+        with state.admit(tenant):
+            result = await state.run(run)
+            state.record(tenant, [result.handle])
         return result
 
     @app.post("/v1/kv/compose", response_model=Composition, **kv)
@@ -149,12 +153,13 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
         state.check_owned(tenant, handles)
         open_stream = functools.partial(start, agent_of(request, tenant, agent), state.sampling(body.sampling_fields()))
         if not body.stream:
-            result = await state.run(lambda: open_stream().until_done())
-            state.record(tenant, [result.handle])
+            with state.admit(tenant):
+                result = await state.run(lambda: open_stream().until_done())
+                state.record(tenant, [result.handle])
             state.metrics.observe(endpoint, result)
             return result
-        streams, firsts = await state.run(open_primed, [open_stream])
-        return stream_response(state.run, streams, firsts, NativeEvents(state, tenant, endpoint))
+        return await stream_response(state, tenant, lambda: open_primed([open_stream]),
+                                     NativeEvents(state, tenant, endpoint), state.admit(tenant))
 
     @app.post("/v1/kv/resume", response_model=Result, **{**kv, "responses": STREAM_RESPONSES})
     async def resume(body: p.ResumeRequest, request: Request) -> Any:

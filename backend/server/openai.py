@@ -7,8 +7,10 @@ runs it whole or streams it through the one SSE driver, and builds the answer; `
 kept, the shape of a choice). Also here: OpenAI chat messages translated for the chat template.
 
 Invariants: choice ``i`` samples with ``seed + i`` (choices differ, a request is reproducible);
-an agent's latest chat result stays in its slot and the one before is released (unless the caller
-``keep``s every handle); a full pool first evicts other agents' idle slots, then answers 503.
+a request is admitted for its ``n`` result handles within the tenant's quotas; an agent's latest
+chat result stays in its slot and the one before is released (unless the caller ``keep``s every
+handle); a full pool first evicts the same tenant's other agents' idle slots (never another
+tenant's), then answers 503; streams own their handles as every stream does (``sse``).
 """
 
 from __future__ import annotations
@@ -29,11 +31,9 @@ from kvbaton.types import Result, SamplingParams, StreamChunk
 
 from .. import protocol as p
 from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
-from .sse import StreamEvents, close_all, open_primed, prime_all, sse, stream_response
+from .sse import Streams, StreamEvents, close_all, open_primed, prime_all, sse, stream_response
 from .state import ServerState
 from .tenancy import SlotKey, request_agent, request_tenant
-
-Streams = tuple[list[TokenStream], list[StreamChunk | None]]
 
 
 # -- messages ------------------------------------------------------------------------------------
@@ -128,10 +128,12 @@ class OpenAIServing:
 
     async def handle(self, body: p.OpenAIRequest, request: Request) -> Any:
         plan = self.plan(body, request)
+        admission = self.state.admit(plan.tenant, len(plan.params))
         if body.stream:
-            streams, firsts = await self.state.run(self.open_streams, plan)
-            return stream_response(self.state.run, streams, firsts, _OpenAIEvents(self, plan))
-        results, kept = await self.state.run(self.run_all, plan)
+            return await stream_response(self.state, plan.tenant, functools.partial(self.open_streams, plan),
+                                         _OpenAIEvents(self, plan), admission)
+        with admission:
+            results, kept = await self.state.run(self.run_all, plan)
         for r in results:
             self.observe(r)
         payload = {
@@ -168,6 +170,9 @@ class OpenAIServing:
         streams, _ = self.open_streams(plan)
         try:
             results = [s.until_done() for s in streams]
+        except BaseException:  # the choices that did end made handles nobody will get
+            self.state.release_quietly([s.result.handle.id for s in streams if s.result is not None])
+            raise
         finally:
             close_all(streams)
         return results, self.finish(plan, results)
@@ -282,6 +287,7 @@ class ChatServing(OpenAIServing):
             try:
                 with slot.lock:
                     base: p.HandleRef | None = plan.reuse if plan.reuse is not None else slot.handle_id
+                    state.check_owned(plan.tenant, [base])  # the retained handle is used: its idle time restarts
                     for params in plan.params:
                         try:
                             streams.append(open_stream(base, params))
@@ -293,7 +299,7 @@ class ChatServing(OpenAIServing):
                 return streams, prime_all(streams)
             except PoolExhausted:
                 close_all(streams)
-                victim = state.slots.oldest_idle(exclude=plan.key)
+                victim = state.slots.oldest_idle(plan.tenant, exclude=plan.key)
                 if victim is None:
                     raise
                 state.release_quietly([victim.take()])
@@ -309,7 +315,7 @@ class ChatServing(OpenAIServing):
             return list(handles)
         old = state.slots.slot(plan.key).replace(handles[0])
         state.release_quietly([*handles[1:], old if old != handles[0] else None])
-        state.release_quietly([evicted.handle_id for evicted in state.slots.overflow()])
+        state.release_quietly([evicted.handle_id for evicted in state.slots.overflow(plan.tenant)])
         return [handles[0]] + [None] * (len(handles) - 1)
 
     def message(self, text: str) -> dict[str, Any]:
@@ -346,7 +352,13 @@ class CompletionServing(OpenAIServing):
 
     def run_all(self, plan: Plan) -> tuple[list[Result], list[str | None]]:
         # One choice at a time: the pool holds one request of this call, not n.
-        results = [self.state.engine.complete(plan.prompt, params, agent=plan.engine_agent) for params in plan.params]
+        results: list[Result] = []
+        try:
+            for params in plan.params:
+                results.append(self.state.engine.complete(plan.prompt, params, agent=plan.engine_agent))
+        except BaseException:  # the choices that did end made handles nobody will get
+            self.state.release_quietly([r.handle.id for r in results])
+            raise
         return results, self.finish(plan, results)
 
     def finish(self, plan: Plan, results: Sequence[Result]) -> list[str | None]:

@@ -3,8 +3,11 @@
 The engine is any :class:`kvbaton.ops.EngineOps` (``Engine``, ``Cluster``, ``SglangEngine``); the
 state calls it directly. Invariants: engine calls block, so endpoints make them through ``run`` (a
 bounded pool of worker threads), never on the event loop; every handle a request makes is recorded
-for its tenant before the answer leaves (``record``), and every release goes through the state so
-that owners and agent slots forget the id; the engine gets every tenant's hints at once.
+for its tenant as soon as it exists (``record``), and every release goes through the state so that
+owners and agent slots forget the id; a request is admitted within its tenant's quota (``admit``)
+before the engine runs it; every operation naming a handle restarts its idle time (``check_owned``),
+and ``sweep`` releases handles idle longer than the TTL; the engine gets every tenant's hints at
+once, and a tenant's stats show only its own agents.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from kvbaton.ops import EngineOps, ste_map
 from kvbaton.types import SamplingParams, Stats
 
 from .. import protocol as p
+from ..block_pool import blocks_for_budget
 from .metrics import Metrics
-from .tenancy import AgentNames, AgentSlots, Owners
+from .tenancy import Admission, AgentNames, AgentSlots, Owners, Quota
 
 T = TypeVar("T")
 
@@ -47,12 +51,16 @@ class ServerState:
         max_agents: int,
         threads: int,
         fallback_max_tokens: int,
+        max_handles_per_tenant: int | None = None,
+        max_kv_bytes_per_tenant: int | str | None = None,
+        handle_ttl: float | None = None,
     ) -> None:
         self.engine = engine
         self.tenants = tenants
         self.multi_tenant = bool(tenants)
         self.names = AgentNames(self.multi_tenant)
-        self.model = engine.stats().model
+        first = engine.stats()
+        self.model = first.model
         self.max_context: int | None = engine.max_context
         # max_tokens caps every request (default: the model's context); default_max_tokens applies to
         # OpenAI requests that give none.
@@ -60,7 +68,15 @@ class ServerState:
         self.default_max_tokens = min(default_max_tokens, self.max_tokens)
         self.max_n = max_n
         self.threads = threads
-        self.owners = Owners()
+        if handle_ttl is not None and handle_ttl <= 0:
+            raise InvalidRequest(f"the handle TTL must be > 0 seconds, got {handle_ttl}")
+        self.handle_ttl = handle_ttl
+        self.owners = Owners(Quota(
+            max_handles=max_handles_per_tenant or None,
+            max_kv_bytes=(blocks_for_budget(max_kv_bytes_per_tenant, first.bytes_per_block) * first.bytes_per_block
+                          if max_kv_bytes_per_tenant else None),
+            bytes_per_token=first.bytes_per_block / first.block_size,
+        ))
         self.slots = AgentSlots(max_agents)
         self.metrics = Metrics(engine.stats)
         self._hints_lock = threading.Lock()
@@ -75,12 +91,21 @@ class ServerState:
 
     # -- handles and tenancy --------------------------------------------------------------------
     def check_owned(self, tenant: str, refs: Iterable[p.HandleRef | None]) -> None:
-        """``HandleNotFound`` unless every given handle is the tenant's (None: not given)."""
-        if self.multi_tenant:
-            self.owners.check(tenant, [ref_id(r) for r in refs if r is not None])
+        """``HandleNotFound`` unless every given handle is the tenant's (None: not given); the
+        handles count as used now (their idle time restarts)."""
+        self.owners.use(tenant, [ref_id(r) for r in refs if r is not None], check=self.multi_tenant)
 
     def record(self, tenant: str, handles: Iterable[Handle]) -> None:
-        self.owners.add(tenant, [h.id for h in handles])
+        self.owners.add(tenant, [(h.id, h.num_tokens) for h in handles])
+
+    def admit(self, tenant: str, handles: int = 1, tokens: int = 0) -> Admission:
+        """Admit a request making up to ``handles`` handles (``tokens`` in all, when known) within the
+        tenant's quotas, else ``QuotaExceeded``; close the admission once its handles are recorded."""
+        return self.owners.admit(tenant, handles, tokens)
+
+    def admit_fork(self, tenant: str, ref: p.HandleRef, k: int) -> Admission:
+        """A fork's ``k`` children, each as many tokens as the parent."""
+        return self.admit(tenant, k, k * self.owners.tokens(ref_id(ref)))
 
     def handle(self, ref: p.HandleRef) -> Handle:
         """The whole handle of a reference (an id is described by the engine)."""
@@ -104,6 +129,19 @@ class ServerState:
                 pass
             self.owners.released([hid])
 
+    def sweep(self) -> list[str]:
+        """Release every handle idle for longer than the TTL (none without one); the ids released."""
+        if self.handle_ttl is None:
+            return []
+        idle = self.owners.idle(self.handle_ttl)
+        self.slots.forget(set(idle))
+        self.release_quietly(idle)
+        return idle
+
+    def healthy(self) -> tuple[bool, str]:
+        """Whether the engine can serve now, and why (not)."""
+        return self.engine.healthy()
+
     def release_all(self, tenant: str) -> int:
         """Release every live handle of the tenant, those its agents' slots retain included."""
         for slot in self.slots.tenant_slots(tenant):
@@ -118,16 +156,26 @@ class ServerState:
         return self.names.engine_name(tenant, agent)
 
     def stats(self, tenant: str) -> Stats:
-        """The engine's stats, with the tenant's own agents only."""
+        """The engine's stats with the tenant's own agents only, by their own names (per-agent stats
+        and steps-to-execution, of every worker of a cluster too; placement decisions of its own
+        handles only); pool counters are the engine's."""
         stats = self.engine.stats()
-        if self.multi_tenant and stats.agents:
-            own = {}
-            for name, value in stats.agents.items():
-                mine = self.names.own_name(tenant, name)
-                if mine is not None:
-                    own[mine] = value
-            stats = stats.model_copy(update={"agents": own})
-        return stats
+        return self._own_stats(tenant, stats) if self.multi_tenant else stats
+
+    def _own_stats(self, tenant: str, stats: Stats) -> Stats:
+        def own(named: Mapping[str, Any]) -> dict[str, Any]:
+            return {mine: v for name, v in named.items() if (mine := self.names.own_name(tenant, name)) is not None}
+
+        update: dict[str, Any] = {"agents": own(stats.agents)}
+        if stats.cache is not None:
+            update["cache"] = stats.cache.model_copy(update={"steps_to_execution": own(stats.cache.steps_to_execution)})
+        if stats.cluster is not None:
+            workers = [w.model_copy(update={"stats": None if w.stats is None else self._own_stats(tenant, w.stats)})
+                       for w in stats.cluster.workers]
+            mine = self.owners.mine(tenant, [d.handle for d in stats.cluster.decisions])
+            decisions = [d for d in stats.cluster.decisions if d.handle in mine]
+            update["cluster"] = stats.cluster.model_copy(update={"workers": workers, "decisions": decisions})
+        return stats.model_copy(update=update)
 
     def hints(self, tenant: str, steps: Mapping[str, float], running: Sequence[str]) -> dict[str, float]:
         """Set the tenant's steps-to-execution; the engine gets every tenant's hints together."""

@@ -1,33 +1,43 @@
-"""Tenancy: who is asking, which handles are theirs, and the handle each of their agents retains.
+"""Tenancy: who is asking, which handles are theirs, what they may hold, and the handle each of
+their agents retains.
 
 Each bearer token is a tenant (``tenant_map``); without tokens everything is one tenant. Invariants:
 a tenant sees only the handles it made (``Owners``: any other id is ``HandleNotFound``, exactly as an
 unknown one); tenants share the engine but not agent names (``AgentNames``: tenant ``t``'s agent
-``a`` is ``t/a`` in the engine); an OpenAI agent retains one handle, its latest (``AgentSlots``).
+``a`` is ``t/a`` in the engine); a tenant's live handles, plus those its requests in flight may
+make, stay within its ``Quota`` (``Owners.admit``); an OpenAI agent retains one handle, its latest
+(``AgentSlots``), and only its own tenant's requests may evict it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import secrets
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from kvbaton.errors import HandleNotFound, InvalidRequest
+from kvbaton.errors import HandleNotFound, InvalidRequest, QuotaExceeded
 
 from ..protocol import MAX_AGENT_CHARS
 
 SINGLE_TENANT = "default"
 _RELEASED_OWNERS = 1_000_000  # released ids remembered, so that owners still get HandleReleased
+# Per-process secret of tenant ids: an id (in stats, logs) cannot be tested against guessed tokens offline.
+_SALT = secrets.token_bytes(32)
 
 SlotKey = tuple[str, str]  # (tenant, agent)
 
 
-def tenant_id(token: str) -> str:
-    """The tenant a bearer token stands for (a hash: tokens never appear in logs or metrics)."""
-    return "t-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+def tenant_id(token: str, salt: bytes | None = None) -> str:
+    """The tenant a bearer token stands for: a keyed hash (HMAC-SHA256 with a per-process random
+    ``salt``), so tokens never appear in logs or metrics and an id reveals nothing about its token."""
+    digest = hmac.new(_SALT if salt is None else salt, token.encode(), hashlib.sha256).hexdigest()
+    return "t-" + digest[:16]
 
 
 def tenant_map(token: str | Sequence[str] | Mapping[str, str] | None) -> dict[str, str]:
@@ -76,40 +86,165 @@ class AgentNames:
         return engine_name[len(prefix):] if engine_name.startswith(prefix) else None
 
 
-class Owners:
-    """Which tenant made each handle id. A tenant asking about any other id gets ``HandleNotFound``,
-    exactly as for an id that never existed; released ids are remembered (bounded) so that their
-    owner still gets ``HandleReleased`` from the engine."""
+@dataclass(frozen=True)
+class Quota:
+    """What one tenant may hold: live handles, and KV bytes approximated as the tokens of its live
+    handles times ``bytes_per_token`` (forks sharing blocks count in full: a bound on what the
+    tenant could come to hold). None: no limit."""
 
-    def __init__(self) -> None:
+    max_handles: int | None = None
+    max_kv_bytes: int | None = None
+    bytes_per_token: float = 0.0
+
+
+@dataclass
+class _Owned:
+    tenant: str
+    tokens: int
+    used: float  # clock time of the last operation naming the handle
+
+
+@dataclass
+class _Holding:
+    """One tenant's live handles and what its requests in flight may still add."""
+
+    handles: int = 0
+    tokens: int = 0
+    pending_handles: int = 0
+    pending_tokens: int = 0
+
+
+class Admission:
+    """What an admitted request may make, counted against its tenant until ``close`` (idempotent)."""
+
+    def __init__(self, owners: Owners, tenant: str, handles: int, tokens: int) -> None:
+        self._owners, self.tenant, self.handles, self.tokens = owners, tenant, handles, tokens
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._owners.settle(self)
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Owners:
+    """Which tenant made each handle id, how many tokens it holds and when it was last used.
+
+    A tenant asking about any other id gets ``HandleNotFound``, exactly as for an id that never
+    existed; released ids are remembered (bounded) so that their owner still gets ``HandleReleased``
+    from the engine. ``admit`` holds each tenant to the ``Quota``."""
+
+    def __init__(self, quota: Quota | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.quota = quota or Quota()
+        self._clock = clock
         self._lock = threading.Lock()
-        self._live: dict[str, str] = {}
+        self._live: dict[str, _Owned] = {}
+        self._held: dict[str, _Holding] = {}
         self._released: OrderedDict[str, str] = OrderedDict()
 
-    def add(self, tenant: str, handle_ids: Iterable[str]) -> None:
+    def add(self, tenant: str, handles: Iterable[tuple[str, int]]) -> None:
+        """Record ``(id, tokens)`` of handles the tenant made (an id already recorded is refreshed)."""
+        now = self._clock()
+        with self._lock:
+            for hid, tokens in handles:
+                old = self._live.get(hid)
+                if old is not None:
+                    self._drop(old)
+                self._live[hid] = _Owned(tenant, tokens, now)
+                held = self._held.setdefault(tenant, _Holding())
+                held.handles += 1
+                held.tokens += tokens
+
+    def use(self, tenant: str, handle_ids: Iterable[str], check: bool = False) -> None:
+        """Note that an operation names these handles (their idle time restarts); with ``check``,
+        ``HandleNotFound`` unless each is the tenant's."""
+        now = self._clock()
         with self._lock:
             for hid in handle_ids:
-                self._live[hid] = tenant
+                owned = self._live.get(hid)
+                owner = owned.tenant if owned is not None else self._released.get(hid)
+                if check and owner != tenant:
+                    raise HandleNotFound(f"no handle {hid} in this engine")
+                if owned is not None and owned.tenant == tenant:
+                    owned.used = now
 
     def check(self, tenant: str, handle_ids: Iterable[str]) -> None:
+        self.use(tenant, handle_ids, check=True)
+
+    def tokens(self, handle_id: str) -> int:
         with self._lock:
-            for hid in handle_ids:
-                owner = self._live.get(hid) or self._released.get(hid)
-                if owner != tenant:
-                    raise HandleNotFound(f"no handle {hid} in this engine")
+            owned = self._live.get(handle_id)
+            return owned.tokens if owned is not None else 0
 
     def released(self, handle_ids: Iterable[str]) -> None:
         with self._lock:
             for hid in handle_ids:
-                owner = self._live.pop(hid, None)
-                if owner is not None:
-                    self._released[hid] = owner
+                owned = self._live.pop(hid, None)
+                if owned is not None:
+                    self._drop(owned)
+                    self._released[hid] = owned.tenant
                     if len(self._released) > _RELEASED_OWNERS:
                         self._released.popitem(last=False)
 
+    def _drop(self, owned: _Owned) -> None:
+        held = self._held[owned.tenant]
+        held.handles -= 1
+        held.tokens -= owned.tokens
+
     def live(self, tenant: str) -> list[str]:
         with self._lock:
-            return [hid for hid, owner in self._live.items() if owner == tenant]
+            return [hid for hid, owned in self._live.items() if owned.tenant == tenant]
+
+    def mine(self, tenant: str, handle_ids: Iterable[str]) -> set[str]:
+        """Those of ``handle_ids`` the tenant made (live or released)."""
+        with self._lock:
+            return {hid for hid in handle_ids
+                    if (o.tenant if (o := self._live.get(hid)) is not None else self._released.get(hid)) == tenant}
+
+    def idle(self, ttl: float) -> list[str]:
+        """Live handles no operation named for longer than ``ttl`` seconds."""
+        cutoff = self._clock() - ttl
+        with self._lock:
+            return [hid for hid, owned in self._live.items() if owned.used < cutoff]
+
+    # -- quotas -------------------------------------------------------------------------------
+    def admit(self, tenant: str, handles: int = 1, tokens: int = 0) -> Admission:
+        """Admit a request that may make ``handles`` handles of ``tokens`` tokens in all, or raise
+        ``QuotaExceeded``; what it may make counts against the tenant until the admission closes."""
+        handles, tokens = max(handles, 0), max(tokens, 0)
+        q = self.quota
+        with self._lock:
+            held = self._held.setdefault(tenant, _Holding())
+            if q.max_handles is not None:
+                total = held.handles + held.pending_handles + handles
+                if total > q.max_handles:
+                    raise QuotaExceeded(
+                        f"this would take the tenant to {total} live handles, over its quota of {q.max_handles}: "
+                        "release handles first"
+                    )
+            if q.max_kv_bytes is not None:
+                held_bytes = (held.tokens + held.pending_tokens) * q.bytes_per_token
+                if held_bytes + tokens * q.bytes_per_token > q.max_kv_bytes:
+                    raise QuotaExceeded(
+                        f"the tenant's handles hold about {int(held_bytes)} bytes of KV (tokens x bytes per token)"
+                        f"{f' and this request would add {int(tokens * q.bytes_per_token)}' if tokens else ''}: "
+                        f"over its KV quota of {q.max_kv_bytes} bytes; release handles first"
+                    )
+            held.pending_handles += handles
+            held.pending_tokens += tokens
+        return Admission(self, tenant, handles, tokens)
+
+    def settle(self, admission: Admission) -> None:
+        with self._lock:
+            held = self._held[admission.tenant]
+            held.pending_handles -= admission.handles
+            held.pending_tokens -= admission.tokens
 
 
 @dataclass
@@ -135,7 +270,8 @@ class AgentSlots:
 
     An agent's next request reuses it (the engine keeps the longest common token prefix), then the
     new result replaces it and the old one is released: a chatting agent holds one handle, not one
-    per turn. Least recently used slots are dropped beyond ``max_slots`` or when the pool is full.
+    per turn. A tenant's least recently used slots are dropped beyond ``max_slots`` of that tenant,
+    or when the pool is full for one of its requests: a tenant never evicts another's.
     """
 
     def __init__(self, max_slots: int) -> None:
@@ -151,20 +287,21 @@ class AgentSlots:
             self._slots.move_to_end(key)
             return slot
 
-    def oldest_idle(self, exclude: SlotKey | None = None) -> Slot | None:
-        """The least recently used slot holding a handle that no request is using now."""
+    def oldest_idle(self, tenant: str, exclude: SlotKey | None = None) -> Slot | None:
+        """The tenant's least recently used slot holding a handle that no request is using now."""
         with self._lock:
             for key, slot in self._slots.items():
-                if key != exclude and slot.handle_id is not None and not slot.lock.locked():
+                if key[0] == tenant and key != exclude and slot.handle_id is not None and not slot.lock.locked():
                     return slot
             return None
 
-    def overflow(self) -> list[Slot]:
-        """Drop least recently used idle slots beyond ``max_slots``; the dropped ones."""
+    def overflow(self, tenant: str) -> list[Slot]:
+        """Drop the tenant's least recently used idle slots beyond ``max_slots``; the dropped ones."""
         with self._lock:
+            keys = [key for key in self._slots if key[0] == tenant]
             out = []
-            for key in list(self._slots):
-                if len(self._slots) <= self.max_slots:
+            for key in keys:
+                if len(keys) - len(out) <= self.max_slots:
                     break
                 slot = self._slots[key]
                 if not slot.lock.locked():

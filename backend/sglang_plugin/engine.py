@@ -173,6 +173,10 @@ class SglangEngine:
 
     # -- what this engine can do ------------------------------------------------------------------
 
+    def healthy(self) -> tuple[bool, str]:
+        """SGLang's scheduler runs in this process's engine: it serves while the process runs."""
+        return True, "ok"
+
     def capabilities(self) -> Capabilities:
         return SGLANG
 
