@@ -32,10 +32,9 @@ from kvbaton.handle import LineageStep, new_handle_id
 
 from .block_pool import BlockPool
 from .eviction import EvictionPolicy, make_policy
-from .loader import cache_dir
 from .radix import NodeState, RadixCache, RadixNode
 from .sequence import KVState
-from .tiers import TierDataError, make_tier
+from .tiers import TierSpec, make_tier
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +83,22 @@ class KVManager:
             cacheable=parent.cacheable,
         )
 
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise :class:`InvalidRequest` when ``num_tokens`` need more blocks than the whole pool has:
+        no eviction or release could ever make room, so "retry later" (:class:`PoolExhausted`) would lie."""
+        need = self._blocks_for(num_tokens)
+        if need > self.pool.num_blocks:
+            raise InvalidRequest(
+                f"this request can never fit: its {num_tokens} tokens (prompt and max_tokens) need {need} KV blocks "
+                f"of {self.block_size} tokens, the whole pool has {self.pool.num_blocks}; shorten the prompt or "
+                "max_tokens, or raise kv_budget"
+            )
+
     def reserve(self, state: KVState, num_tokens: int) -> None:
-        """Make ``state`` own writable blocks for positions ``num_cached..num_tokens-1``, or raise."""
+        """Make ``state`` own writable blocks for positions ``num_cached..num_tokens-1``, or raise:
+        :class:`InvalidRequest` if it could never fit, :class:`PoolExhausted` if it does not fit now."""
         bs = self.block_size
+        self.check_fits(num_tokens)
         with self.lock:
             write_at = state.num_cached
             cow = write_at % bs != 0 and write_at < num_tokens and self.pool.refcount(state.blocks[write_at // bs]) > 1
@@ -236,7 +248,7 @@ class KVManager:
             for node in started:  # the slow part, outside the lock
                 try:
                     data[id(node)] = cache.read(node)
-                except TierDataError as exc:
+                except Exception as exc:  # any tier failure: those tokens are recomputed, the request goes on
                     log.warning("%s; those tokens will be recomputed", exc)
         finally:
             with self.lock:
@@ -282,13 +294,13 @@ class KVManager:
 
 
 def prefix_cache_for(
-    pool: BlockPool, ste: Mapping[str, float], eviction: str | EvictionPolicy = "ste", tiers: Sequence[str] = (),
+    pool: BlockPool, ste: Mapping[str, float], eviction: str | EvictionPolicy = "ste", tiers: Sequence[TierSpec] = (),
     tier_eviction: str | None = None,
 ) -> RadixCache:
     """The radix cache over ``pool``, its eviction policies reading the live steps-to-execution ``ste``,
-    with the slow ``tiers`` (names such as ``"cpu:1GiB"``) behind it."""
+    with the slow ``tiers`` (claimed by :func:`.tiers.claim_tiers`) behind it."""
     policy = eviction if isinstance(eviction, EvictionPolicy) else make_policy(eviction, ste)
-    slow = [make_tier(t, pool.shape.bytes_per_block, pool.device, cache_dir() / "tiers") for t in tiers]
+    slow = [make_tier(t, pool.shape.bytes_per_block, pool.device) for t in tiers]
     tier_policy = make_policy(tier_eviction, ste) if tier_eviction else None
     return RadixCache(pool, policy, slow, tier_policy)
 

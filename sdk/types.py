@@ -92,6 +92,9 @@ class AgentInfo(BaseModel):
 
 
 class AgentStats(BaseModel):
+    """One agent's requests and time to first token. Bounded on the engine: the mean and p90 are over
+    the agent's last 1,024 requests, and only the 1,024 most recently seen agents are listed."""
+
     requests: int
     ttft_mean_s: float
     ttft_p90_s: float
