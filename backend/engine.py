@@ -114,17 +114,18 @@ class Engine:
         self.positions = Positions(rope_type=lm.rope_type, rope_theta=lm.rope_theta, rope_parameters=lm.rope_parameters)
         self.shifter = RopeShifter.from_model(lm.model, lm.rope_type, lm.rope_parameters)
         self._lock = threading.RLock()
-        self.prefetcher: Prefetcher | None = None
-        self.kv = KVManager(self.pool, self.cache, self._lock)
-        if self.cache is not None and self.cache.tiers and prefetch:
-            self.prefetcher = Prefetcher(self.kv, self._ste)
-            weakref.finalize(self, self.prefetcher.close)
-        self.inputs = Inputs(lm)
         self.handles: HandleTable[KVState] = HandleTable(Identity(
             model=lm.name, fingerprint=lm.fingerprint, tokenizer_fingerprint=lm.tokenizer_fingerprint,
             positions=self.positions, placement=Placement(device=str(lm.device), tier="device"),
             runs=f"{lm.name!r} in {lm.dtype}",
         ))
+        # The live handles are what a reservation may spill when the pool is full (spill.py).
+        self.kv = KVManager(self.pool, self.cache, self._lock, live=self.handles.states)
+        self.prefetcher: Prefetcher | None = None
+        if self.cache is not None and self.cache.tiers and prefetch:
+            self.prefetcher = Prefetcher(self.kv, self._ste)
+            weakref.finalize(self, self.prefetcher.close)
+        self.inputs = Inputs(lm)
         self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, prefill_chunk)
         # A proxy: the composer calls the public operators without keeping the engine alive.
         self.composer = Composer(

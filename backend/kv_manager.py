@@ -3,7 +3,8 @@
 It owns block reservation (with copy-on-write), attaching a cached prefix from the radix cache,
 loading evicted blocks back from the slow tiers (one path, for a request's miss and for prefetch
 alike), offering finished blocks to the cache, dropping and trimming a state's blocks, and reading
-or writing K/V rows of a state.
+or writing K/V rows of a state. When a reservation cannot be met after evicting the cache, idle
+live handles are spilled (:mod:`.spill`) before :class:`PoolExhausted` is raised.
 
 Invariants:
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +36,7 @@ from .block_pool import BlockPool
 from .eviction import EvictionPolicy, make_policy
 from .radix import NodeState, RadixCache, RadixNode
 from .sequence import KVState
+from .spill import Spiller
 from .tiers import TierSpec, make_tier
 
 log = logging.getLogger(__name__)
@@ -50,13 +53,18 @@ class TierCounters:
 
 
 class KVManager:
-    def __init__(self, pool: BlockPool, cache: RadixCache | None, lock: threading.RLock) -> None:
+    def __init__(
+        self, pool: BlockPool, cache: RadixCache | None, lock: threading.RLock,
+        live: Callable[[], Iterable[KVState]] = tuple,
+    ) -> None:
         self.pool = pool
         self.cache = cache
         self.block_size = pool.block_size
         self.lock = lock  # the engine lock: guards the pool, the cache and the states' block lists
         self.loaded = threading.Condition(lock)  # signalled when slow-tier blocks arrive
         self.counters = TierCounters()
+        self.spiller = Spiller(pool, cache, live)  # ``live``: the engine's live handle states
+        self._pinned: Counter[int] = Counter()  # blocks read outside the lock (compose sources): never spilled
 
     # -- states --------------------------------------------------------------------------------
     def share(self, parent: KVState | None, keep: int, added: Sequence[int], step: LineageStep) -> KVState:
@@ -64,6 +72,7 @@ class KVManager:
         if parent is None:
             return KVState(id=new_handle_id(), token_ids=list(added), blocks=[], num_cached=0, lineage=(step,))
         with self.lock:
+            self.spiller.touch(parent)
             cached = min(keep, parent.num_cached)
             logits = parent.last_logits if keep == parent.num_tokens and cached == keep and not added else None
             if not added and logits is None:
@@ -106,6 +115,8 @@ class KVManager:
             needed = missing + int(cow)
             if needed > self.pool.num_free and self.cache is not None:
                 self.cache.evict(needed - self.pool.num_free)
+            if needed > self.pool.num_free:  # the last resort: idle live handles
+                self.spiller.free(needed - self.pool.num_free, self._pinned, exclude=state)
             if needed > self.pool.num_free:
                 raise PoolExhausted(
                     f"KV pool exhausted: the request needs {needed} more blocks of {bs} tokens, "
@@ -134,15 +145,19 @@ class KVManager:
             self.pool.decref(state.blocks)
             state.blocks = []
             state.last_logits = None
+            self.spiller.forget(state)
 
     def pin(self, blocks: Sequence[int]) -> None:
         """Keep blocks readable while their owner may be released (compose sources, exports)."""
         with self.lock:
             self.pool.incref(blocks)
+            self._pinned.update(blocks)
 
     def unpin(self, blocks: Sequence[int]) -> None:
         with self.lock:
             self.pool.decref(blocks)
+            self._pinned.subtract(blocks)
+            self._pinned += Counter()  # drops the zero counts
 
     def export(self, state: KVState) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the K/V of the state's computed blocks, one block at a time. The blocks are
@@ -163,6 +178,11 @@ class KVManager:
 
     # -- K/V rows -----------------------------------------------------------------------------
     def read_rows(self, state: KVState, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if state.id in self.spiller.spilled and start + n > state.num_cached:
+            raise PoolExhausted(
+                f"handle {state.id} was spilled to make room in the KV pool; resume or extend it to bring its "
+                "K/V back, or release handles"
+            )
         return self.pool.read_rows(self.pool.slots(state.blocks, start, start + n))
 
     def write_rows(self, state: KVState, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -198,6 +218,7 @@ class KVManager:
             exact = state.num_cached if state.exact_len is None else min(state.num_cached, state.exact_len)
             with self.lock:
                 self.cache.insert(state.token_ids, state.blocks, exact // self.block_size)
+                self.spiller.touch(state)
 
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the prefix cache holds on the device (what a prefill skips)."""
@@ -228,6 +249,7 @@ class KVManager:
                 if stuck or not any(n.state is NodeState.SLOW for n in path):
                     self._take(state, path)
                     return
+                self._room_to_load(state, path)
             stuck = self.load_back(path) == 0
 
     def load_back(
@@ -263,6 +285,15 @@ class KVManager:
                             self.counters.loaded_on_demand += 1
                 self.loaded.notify_all()
         return len(started)
+
+    def _room_to_load(self, state: KVState, path: Sequence[RadixNode]) -> None:
+        """Spill idle handles so that a request's slow blocks can come back (lock held). Prefetch
+        never does this: it only evicts cache nodes needed later than what it loads."""
+        slow = sum(n.state is NodeState.SLOW for n in path)
+        if slow > self.pool.num_free:
+            keep = {id(n) for n in path}
+            self.spiller.free(slow - self.pool.num_free, self._pinned, exclude=state,
+                              allowed=lambda node: id(node) not in keep)
 
     def slow_fixed_path(self, agent: str) -> list[RadixNode]:
         """The cache path of an agent's fixed prompt when part of it is in a slow tier, else []."""

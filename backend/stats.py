@@ -122,6 +122,7 @@ def _cache_stats(kv: KVManager, ste: Mapping[str, float]) -> CacheStats | None:
         prefetch_hits=counters.prefetch_hits,
         prefetch_hit_rate=counters.prefetch_hits / prefetched if prefetched else 0.0,
         tier_errors=cache.tier_errors,
+        handles_spilled=kv.spiller.handles_spilled,
         steps_to_execution=dict(ste),
     )
 

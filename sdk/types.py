@@ -114,7 +114,12 @@ class CacheStats(BaseModel):
     blocks_prefetched: int
     prefetch_hits: int = Field(description="Prefetched blocks later used by a request.")
     prefetch_hit_rate: float
-    tier_errors: int = Field(description="Slow-tier blocks that could not be read back (recomputed).")
+    tier_errors: int = Field(
+        description="Slow-tier writes, reads or deletes that failed (the block dropped; recomputed when needed)."
+    )
+    handles_spilled: int = Field(
+        default=0, description="Idle live handles whose blocks went to a slow tier or were dropped to make room."
+    )
     steps_to_execution: dict[str, float]
 
 
