@@ -180,8 +180,8 @@ class KVManager:
     def read_rows(self, state: KVState, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if state.id in self.spiller.spilled and start + n > state.num_cached:
             raise PoolExhausted(
-                f"handle {state.id} was spilled to make room in the KV pool; resume or extend it to bring its "
-                "K/V back, or release handles"
+                f"handle {state.id} was spilled to make room in the KV pool: the handles made from it (resume, "
+                "extend, fork) get its K/V back, it does not keep them; read one of those, or release handles"
             )
         return self.pool.read_rows(self.pool.slots(state.blocks, start, start + n))
 
@@ -214,11 +214,12 @@ class KVManager:
     # -- the prefix cache ---------------------------------------------------------------------
     def insert(self, state: KVState) -> None:
         """Offer the state's full blocks to the prefix cache: only those whose K/V are exact."""
+        with self.lock:
+            self.spiller.touch(state)  # just computed: the last candidate to spill
         if self.cache is not None and state.cacheable:
             exact = state.num_cached if state.exact_len is None else min(state.num_cached, state.exact_len)
             with self.lock:
                 self.cache.insert(state.token_ids, state.blocks, exact // self.block_size)
-                self.spiller.touch(state)
 
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the prefix cache holds on the device (what a prefill skips)."""

@@ -112,12 +112,15 @@ def test_invalid_messages(engine, messages):
 
 def test_pool_exhausted_is_typed_and_leaves_pool_intact():
     small = Engine(kv_budget="4 blocks")
-    keep = small.materialize([5] * 40)  # 3 blocks
+    busy = small.complete_stream([9] * 30, SamplingParams(max_tokens=4, ignore_eos=True))
+    next(busy)  # in flight: its 3 blocks cannot be evicted or spilled (an idle handle's could)
+    keep = small.materialize([5] * 10)  # the last block
     with pytest.raises(PoolExhausted):
         small.materialize([6] * 40)
-    with pytest.raises(PoolExhausted):  # 4 blocks in all, 2 of them new: fits once `keep` is released
+    with pytest.raises(PoolExhausted):  # shares keep's block: spilling keep would free nothing
         small.resume(keep, [7] * 10, SamplingParams(max_tokens=4))
-    assert small.stats().blocks_used == 3
+    assert small.stats().blocks_used == 4 and small.stats().cache.handles_spilled == 0
+    busy.close()
     small.release(keep)
     small.flush_cache()
     assert small.stats().blocks_used == 0

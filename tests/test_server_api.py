@@ -165,7 +165,8 @@ def test_error_schema_and_status_codes(server):
             (("POST", "/v1/kv/materialize", {"context": list(range(1, 9000))}), 400, "context_too_long"),
             (("POST", "/v1/kv/resume", {"handle": h["id"], "suffix": list(range(1, 8200)), "max_tokens": 4}),
              400, "context_too_long"),
-            (("POST", "/v1/kv/materialize", {"context": list(range(1, 4000))}), 503, "pool_exhausted"),  # 96 MiB pool
+            # larger than the whole 96 MiB pool: never fits, so 400, not 503 "retry later"
+            (("POST", "/v1/kv/materialize", {"context": list(range(1, 4000))}), 400, "invalid_request"),
             (("POST", "/v1/kv/generate", {"messages": [{"role": "wizard", "content": "x"}]}), 400, "invalid_request"),
             (("POST", "/v1/kv/generate", {"messages": []}), 400, "invalid_request"),
             (("POST", "/v1/kv/tokenize", {"text": 3}), 400, "invalid_request"),
