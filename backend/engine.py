@@ -46,6 +46,7 @@ from .rotary import RopeShifter
 from .scheduler import Scheduler
 from .sequence import KVState
 from .stats import engine_stats
+from .tiers import claim_tiers
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +87,22 @@ class Engine:
         if tiers and not prefix_cache:
             raise InvalidRequest("slow tiers hold evicted prefix-cache blocks: they need prefix_cache=True")
         self.correction = correction_config(correction) or CorrectionConfig()
-        self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device,
-                                              attn_implementation=ATTN_IMPLEMENTATION)
-        lm = self.loaded
-        shape = PoolShape(lm.num_layers, lm.num_kv_heads, lm.head_dim, block_size, lm.dtype)
-        self.pool = BlockPool(shape, blocks_for_budget(kv_budget, shape.bytes_per_block), lm.device)
+        # Tier directories first: a bad spec or an unwritable directory fails before the model loads.
+        claimed = claim_tiers(tiers)
+        self._ste: dict[str, float] = {}  # the agents' steps-to-execution, read live by the eviction policies
+        try:
+            self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device,
+                                                  attn_implementation=ATTN_IMPLEMENTATION)
+            lm = self.loaded
+            shape = PoolShape(lm.num_layers, lm.num_kv_heads, lm.head_dim, block_size, lm.dtype)
+            self.pool = BlockPool(shape, blocks_for_budget(kv_budget, shape.bytes_per_block), lm.device)
+            self.cache = prefix_cache_for(self.pool, self._ste, eviction, claimed, tier_eviction) if prefix_cache else None
+        except BaseException:
+            for tier in claimed:  # from here on the cache owns them (and closes them)
+                tier.release()
+            raise
+        if self.cache is not None:
+            weakref.finalize(self, self.cache.close)  # removes disk-tier files, at exit too
         self.runner = ModelRunner(lm, self.pool, fast_decode=fast_decode)
         self.scheduler = Scheduler(self.runner, max_batch_tokens=max(max_batch_tokens, prefill_chunk))
         # The worker threads keep the pool alive: stop them when an unclosed engine is collected.
@@ -102,21 +114,18 @@ class Engine:
         self.positions = Positions(rope_type=lm.rope_type, rope_theta=lm.rope_theta, rope_parameters=lm.rope_parameters)
         self.shifter = RopeShifter.from_model(lm.model, lm.rope_type, lm.rope_parameters)
         self._lock = threading.RLock()
-        self._ste: dict[str, float] = {}  # the agents' steps-to-execution, read live by the eviction policies
-        self.cache = prefix_cache_for(self.pool, self._ste, eviction, tiers, tier_eviction) if prefix_cache else None
-        if self.cache is not None:
-            weakref.finalize(self, self.cache.close)  # removes disk-tier files
-        self.prefetcher: Prefetcher | None = None
-        self.kv = KVManager(self.pool, self.cache, self._lock)
-        if self.cache is not None and self.cache.tiers and prefetch:
-            self.prefetcher = Prefetcher(self.kv, self._ste)
-            weakref.finalize(self, self.prefetcher.close)
-        self.inputs = Inputs(lm)
         self.handles: HandleTable[KVState] = HandleTable(Identity(
             model=lm.name, fingerprint=lm.fingerprint, tokenizer_fingerprint=lm.tokenizer_fingerprint,
             positions=self.positions, placement=Placement(device=str(lm.device), tier="device"),
             runs=f"{lm.name!r} in {lm.dtype}",
         ))
+        # The live handles are what a reservation may spill when the pool is full (spill.py).
+        self.kv = KVManager(self.pool, self.cache, self._lock, live=self.handles.states)
+        self.prefetcher: Prefetcher | None = None
+        if self.cache is not None and self.cache.tiers and prefetch:
+            self.prefetcher = Prefetcher(self.kv, self._ste)
+            weakref.finalize(self, self.prefetcher.close)
+        self.inputs = Inputs(lm)
         self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, prefill_chunk)
         # A proxy: the composer calls the public operators without keeping the engine alive.
         self.composer = Composer(

@@ -3,7 +3,8 @@
 It owns block reservation (with copy-on-write), attaching a cached prefix from the radix cache,
 loading evicted blocks back from the slow tiers (one path, for a request's miss and for prefetch
 alike), offering finished blocks to the cache, dropping and trimming a state's blocks, and reading
-or writing K/V rows of a state.
+or writing K/V rows of a state. When a reservation cannot be met after evicting the cache, idle
+live handles are spilled (:mod:`.spill`) before :class:`PoolExhausted` is raised.
 
 Invariants:
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -32,10 +34,10 @@ from kvbaton.handle import LineageStep, new_handle_id
 
 from .block_pool import BlockPool
 from .eviction import EvictionPolicy, make_policy
-from .loader import cache_dir
 from .radix import NodeState, RadixCache, RadixNode
 from .sequence import KVState
-from .tiers import TierDataError, make_tier
+from .spill import Spiller
+from .tiers import TierSpec, make_tier
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +53,18 @@ class TierCounters:
 
 
 class KVManager:
-    def __init__(self, pool: BlockPool, cache: RadixCache | None, lock: threading.RLock) -> None:
+    def __init__(
+        self, pool: BlockPool, cache: RadixCache | None, lock: threading.RLock,
+        live: Callable[[], Iterable[KVState]] = tuple,
+    ) -> None:
         self.pool = pool
         self.cache = cache
         self.block_size = pool.block_size
         self.lock = lock  # the engine lock: guards the pool, the cache and the states' block lists
         self.loaded = threading.Condition(lock)  # signalled when slow-tier blocks arrive
         self.counters = TierCounters()
+        self.spiller = Spiller(pool, cache, live)  # ``live``: the engine's live handle states
+        self._pinned: Counter[int] = Counter()  # blocks read outside the lock (compose sources): never spilled
 
     # -- states --------------------------------------------------------------------------------
     def share(self, parent: KVState | None, keep: int, added: Sequence[int], step: LineageStep) -> KVState:
@@ -65,6 +72,7 @@ class KVManager:
         if parent is None:
             return KVState(id=new_handle_id(), token_ids=list(added), blocks=[], num_cached=0, lineage=(step,))
         with self.lock:
+            self.spiller.touch(parent)
             cached = min(keep, parent.num_cached)
             logits = parent.last_logits if keep == parent.num_tokens and cached == keep and not added else None
             if not added and logits is None:
@@ -84,9 +92,22 @@ class KVManager:
             cacheable=parent.cacheable,
         )
 
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise :class:`InvalidRequest` when ``num_tokens`` need more blocks than the whole pool has:
+        no eviction or release could ever make room, so "retry later" (:class:`PoolExhausted`) would lie."""
+        need = self._blocks_for(num_tokens)
+        if need > self.pool.num_blocks:
+            raise InvalidRequest(
+                f"this request can never fit: its {num_tokens} tokens (prompt and max_tokens) need {need} KV blocks "
+                f"of {self.block_size} tokens, the whole pool has {self.pool.num_blocks}; shorten the prompt or "
+                "max_tokens, or raise kv_budget"
+            )
+
     def reserve(self, state: KVState, num_tokens: int) -> None:
-        """Make ``state`` own writable blocks for positions ``num_cached..num_tokens-1``, or raise."""
+        """Make ``state`` own writable blocks for positions ``num_cached..num_tokens-1``, or raise:
+        :class:`InvalidRequest` if it could never fit, :class:`PoolExhausted` if it does not fit now."""
         bs = self.block_size
+        self.check_fits(num_tokens)
         with self.lock:
             write_at = state.num_cached
             cow = write_at % bs != 0 and write_at < num_tokens and self.pool.refcount(state.blocks[write_at // bs]) > 1
@@ -94,6 +115,8 @@ class KVManager:
             needed = missing + int(cow)
             if needed > self.pool.num_free and self.cache is not None:
                 self.cache.evict(needed - self.pool.num_free)
+            if needed > self.pool.num_free:  # the last resort: idle live handles
+                self.spiller.free(needed - self.pool.num_free, self._pinned, exclude=state)
             if needed > self.pool.num_free:
                 raise PoolExhausted(
                     f"KV pool exhausted: the request needs {needed} more blocks of {bs} tokens, "
@@ -122,15 +145,19 @@ class KVManager:
             self.pool.decref(state.blocks)
             state.blocks = []
             state.last_logits = None
+            self.spiller.forget(state)
 
     def pin(self, blocks: Sequence[int]) -> None:
         """Keep blocks readable while their owner may be released (compose sources, exports)."""
         with self.lock:
             self.pool.incref(blocks)
+            self._pinned.update(blocks)
 
     def unpin(self, blocks: Sequence[int]) -> None:
         with self.lock:
             self.pool.decref(blocks)
+            self._pinned.subtract(blocks)
+            self._pinned += Counter()  # drops the zero counts
 
     def export(self, state: KVState) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the K/V of the state's computed blocks, one block at a time. The blocks are
@@ -151,6 +178,11 @@ class KVManager:
 
     # -- K/V rows -----------------------------------------------------------------------------
     def read_rows(self, state: KVState, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if state.id in self.spiller.spilled and start + n > state.num_cached:
+            raise PoolExhausted(
+                f"handle {state.id} was spilled to make room in the KV pool: the handles made from it (resume, "
+                "extend, fork) get its K/V back, it does not keep them; read one of those, or release handles"
+            )
         return self.pool.read_rows(self.pool.slots(state.blocks, start, start + n))
 
     def write_rows(self, state: KVState, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -182,6 +214,8 @@ class KVManager:
     # -- the prefix cache ---------------------------------------------------------------------
     def insert(self, state: KVState) -> None:
         """Offer the state's full blocks to the prefix cache: only those whose K/V are exact."""
+        with self.lock:
+            self.spiller.touch(state)  # just computed: the last candidate to spill
         if self.cache is not None and state.cacheable:
             exact = state.num_cached if state.exact_len is None else min(state.num_cached, state.exact_len)
             with self.lock:
@@ -216,6 +250,7 @@ class KVManager:
                 if stuck or not any(n.state is NodeState.SLOW for n in path):
                     self._take(state, path)
                     return
+                self._room_to_load(state, path)
             stuck = self.load_back(path) == 0
 
     def load_back(
@@ -236,7 +271,7 @@ class KVManager:
             for node in started:  # the slow part, outside the lock
                 try:
                     data[id(node)] = cache.read(node)
-                except TierDataError as exc:
+                except Exception as exc:  # any tier failure: those tokens are recomputed, the request goes on
                     log.warning("%s; those tokens will be recomputed", exc)
         finally:
             with self.lock:
@@ -251,6 +286,15 @@ class KVManager:
                             self.counters.loaded_on_demand += 1
                 self.loaded.notify_all()
         return len(started)
+
+    def _room_to_load(self, state: KVState, path: Sequence[RadixNode]) -> None:
+        """Spill idle handles so that a request's slow blocks can come back (lock held). Prefetch
+        never does this: it only evicts cache nodes needed later than what it loads."""
+        slow = sum(n.state is NodeState.SLOW for n in path)
+        if slow > self.pool.num_free:
+            keep = {id(n) for n in path}
+            self.spiller.free(slow - self.pool.num_free, self._pinned, exclude=state,
+                              allowed=lambda node: id(node) not in keep)
 
     def slow_fixed_path(self, agent: str) -> list[RadixNode]:
         """The cache path of an agent's fixed prompt when part of it is in a slow tier, else []."""
@@ -282,13 +326,13 @@ class KVManager:
 
 
 def prefix_cache_for(
-    pool: BlockPool, ste: Mapping[str, float], eviction: str | EvictionPolicy = "ste", tiers: Sequence[str] = (),
+    pool: BlockPool, ste: Mapping[str, float], eviction: str | EvictionPolicy = "ste", tiers: Sequence[TierSpec] = (),
     tier_eviction: str | None = None,
 ) -> RadixCache:
     """The radix cache over ``pool``, its eviction policies reading the live steps-to-execution ``ste``,
-    with the slow ``tiers`` (names such as ``"cpu:1GiB"``) behind it."""
+    with the slow ``tiers`` (claimed by :func:`.tiers.claim_tiers`) behind it."""
     policy = eviction if isinstance(eviction, EvictionPolicy) else make_policy(eviction, ste)
-    slow = [make_tier(t, pool.shape.bytes_per_block, pool.device, cache_dir() / "tiers") for t in tiers]
+    slow = [make_tier(t, pool.shape.bytes_per_block, pool.device) for t in tiers]
     tier_policy = make_policy(tier_eviction, ste) if tier_eviction else None
     return RadixCache(pool, policy, slow, tier_policy)
 

@@ -34,6 +34,7 @@ from .model_runner import Chunk
 from .sampler import make_generator, sample
 from .scheduler import Scheduler
 from .sequence import KVState
+from .stats import AgentLatencies
 
 
 @dataclass
@@ -43,7 +44,7 @@ class RequestCounters:
     tokens_reused: int = 0
     tokens_prefilled: int = 0
     tokens_generated: int = 0
-    ttft: dict[str, list[float]] = field(default_factory=dict)
+    ttft: AgentLatencies = field(default_factory=AgentLatencies)  # bounded: see stats.AgentLatencies
 
 
 class Lifecycle:
@@ -62,6 +63,7 @@ class Lifecycle:
     # -- admission and registration -------------------------------------------------------------
     def admit(self, state: KVState, num_tokens: int) -> int:
         """Attach the cached prefix and reserve blocks up to ``num_tokens``; the tokens reused."""
+        self._kv.check_fits(num_tokens)  # before any slow-tier load or compute
         self._kv.attach(state)
         self._kv.reserve(state, num_tokens)
         return state.num_cached
@@ -181,7 +183,7 @@ class Lifecycle:
                         ttft = time.perf_counter() - t0
                         if agent is not None:
                             with self._lock:
-                                self.counters.ttft.setdefault(agent, []).append(ttft)
+                                self.counters.ttft.record(agent, ttft)
                     generated.append(token)
                     state.token_ids.append(token)
                     state.last_logits = None

@@ -7,7 +7,9 @@ references, so a block is evictable only when the tree's is the last one.
 
 Node states: ``device`` (in the pool), ``offloading`` (being written to a slow tier; synchronous
 here, so transient), ``slow`` (only in a slow tier), ``loading`` (pool block reserved, data on its
-way back). Invariant: the ancestors of an on-device node are on the device too, because eviction
+way back). A tier that fails (a full disk, its directory removed, an unreadable block) never fails
+the request that made room: the block is dropped instead, as if no tier had room (its tokens are
+recomputed when next needed), and the failure is counted in ``tier_errors``. Invariant: the ancestors of an on-device node are on the device too, because eviction
 takes device leaves first and loading goes root to leaf. A node removed from the tree is
 ``dropped``, so code still holding an old path can tell.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -28,6 +31,8 @@ import torch
 from .block_pool import BlockPool
 from .eviction import EvictionPolicy
 from .tiers import Tier, TierDataError
+
+log = logging.getLogger(__name__)
 
 
 class NodeState(str, Enum):
@@ -191,7 +196,12 @@ class RadixCache:
             if not self._make_room(index, exclude=node):
                 self._drop_subtree(node)
                 return False
-        tier.put(node.id, k, v)
+        try:
+            tier.put(node.id, k, v)
+        except Exception as exc:  # a full disk, a removed directory: drop the block, never fail the request
+            self.tier_failed(tier, "write", exc)
+            self._drop_subtree(node)
+            return False
         node.state, node.tier = NodeState.SLOW, index
         self._in_tier[index].add(node)
         return True
@@ -205,10 +215,10 @@ class RadixCache:
         if index + 1 < len(self.tiers):
             try:
                 k, v = self.tiers[index].get(victim.id)
-            except TierDataError:
-                self.tier_errors += 1
+            except Exception as exc:
+                self.tier_failed(self.tiers[index], "read", exc)
                 self._drop_subtree(victim)
-                return
+                return True  # room made all the same
             self._forget_tier_copy(victim)
             self._store(index + 1, victim, k, v)
         else:
@@ -253,7 +263,7 @@ class RadixCache:
         """Install loaded data, or on failure forget the node (its tokens will be recomputed)."""
         if node.state is not NodeState.LOADING:
             return False
-        if data is None:
+        if data is None:  # the reader could not read it back (and logged why)
             self.tier_errors += 1
             self._drop_subtree(node)
             return False
@@ -262,6 +272,13 @@ class RadixCache:
         self._forget_tier_copy(node)
         node.state = NodeState.DEVICE
         return True
+
+    def tier_failed(self, tier: Tier, what: str, exc: BaseException) -> None:
+        """Count a tier failure; log the 1st, 2nd, 4th, 8th... so a full disk cannot flood the log."""
+        self.tier_errors += 1
+        if self.tier_errors & (self.tier_errors - 1) == 0:
+            log.warning("%s tier %s failed (%s); the block is dropped and its tokens recomputed when needed "
+                        "[%d tier errors so far]", tier.name, what, exc, self.tier_errors)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def flush(self) -> None:
@@ -300,7 +317,10 @@ class RadixCache:
     def _forget_tier_copy(self, node: RadixNode) -> None:
         """Delete the node's slow-tier copy, if any."""
         if node.tier is not None:
-            self.tiers[node.tier].delete(node.id)
+            try:
+                self.tiers[node.tier].delete(node.id)
+            except Exception as exc:  # forgotten all the same: the tier's close removes what is left
+                self.tier_failed(self.tiers[node.tier], "delete", exc)
             self._in_tier[node.tier].discard(node)
             node.tier = None
 

@@ -3,12 +3,18 @@
 Of an engine: the pool says what is used, the KV manager where attached blocks came from, the
 request lifecycle how many tokens were reused, prefilled and generated; the caller holds the engine
 lock, so the numbers are one consistent snapshot. Of a cluster: the workers' own stats summed, with
-the placement decisions and the calibration of its cost model. Nothing here counts anything itself.
+the placement decisions and the calibration of its cost model.
+
+The one counter kept here, :class:`AgentLatencies` (the TTFTs per agent), is bounded whatever the
+traffic: the last :data:`TTFT_WINDOW` samples of each of the :data:`MAX_AGENTS` most recently seen
+agents, so a stream of fresh agent names cannot grow the engine's memory or the stats it builds.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbaton.types import AgentStats, CacheStats, ClusterStats, Stats, WorkerStats
@@ -19,6 +25,46 @@ if TYPE_CHECKING:
     from .lifecycle import RequestCounters
     from .loader import LoadedModel
     from .worker import WorkerClient
+
+TTFT_WINDOW = 1024  # samples per agent behind ttft_mean_s and ttft_p90_s
+MAX_AGENTS = 1024  # agents with stats; the least recently seen goes first
+
+
+@dataclass
+class _Agent:
+    requests: int = 0
+    ttft: deque[float] = field(default_factory=deque)
+
+
+class AgentLatencies:
+    """Time to first token per agent: a sliding window per agent, a bounded set of agents (LRU)."""
+
+    def __init__(self, window: int = TTFT_WINDOW, max_agents: int = MAX_AGENTS) -> None:
+        self.window = window
+        self.max_agents = max_agents
+        self._agents: OrderedDict[str, _Agent] = OrderedDict()
+
+    def record(self, agent: str, ttft: float) -> None:
+        entry = self._agents.get(agent)
+        if entry is None:
+            entry = self._agents[agent] = _Agent(ttft=deque(maxlen=self.window))
+            if len(self._agents) > self.max_agents:
+                self._agents.popitem(last=False)
+        else:
+            self._agents.move_to_end(agent)
+        entry.requests += 1
+        entry.ttft.append(ttft)
+
+    def __len__(self) -> int:
+        return len(self._agents)
+
+    def summary(self) -> dict[str, AgentStats]:
+        """Per agent: requests since it was last (re)admitted to the table, TTFT mean and p90 of the window."""
+        return {
+            name: AgentStats(requests=a.requests, ttft_mean_s=sum(a.ttft) / len(a.ttft), ttft_p90_s=_p90(a.ttft))
+            for name, a in self._agents.items()
+        }
+
 
 _SUMMED = (
     "blocks_total", "blocks_used", "blocks_free", "blocks_shared", "blocks_cached", "blocks_cache_only",
@@ -53,10 +99,7 @@ def engine_stats(
         blocks_cached=len(cached),
         blocks_cache_only=sum(1 for b in cached if pool.refcount(b) == 1),
         cache=_cache_stats(kv, ste),
-        agents={
-            a: AgentStats(requests=len(t), ttft_mean_s=sum(t) / len(t), ttft_p90_s=_p90(t))
-            for a, t in requests.ttft.items()
-        },
+        agents=requests.ttft.summary(),
     )
 
 
@@ -79,6 +122,7 @@ def _cache_stats(kv: KVManager, ste: Mapping[str, float]) -> CacheStats | None:
         prefetch_hits=counters.prefetch_hits,
         prefetch_hit_rate=counters.prefetch_hits / prefetched if prefetched else 0.0,
         tier_errors=cache.tier_errors,
+        handles_spilled=kv.spiller.handles_spilled,
         steps_to_execution=dict(ste),
     )
 

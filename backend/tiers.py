@@ -4,16 +4,23 @@ A tier stores whole blocks (all layers' K and V of ``block_size`` tokens) under 
 Blocks evicted from the device go to the first tier instead of being dropped; the radix cache
 decides what moves where (same priority order in every tier). A tier only stores and returns
 bytes, and it checks them: a corrupted or missing block raises :class:`TierDataError`, so the
-engine recomputes those tokens instead of ever reading wrong K/V.
+engine recomputes those tokens instead of ever reading wrong K/V. A write may fail too (a full
+disk, a removed directory): it raises, leaves no file behind, and the cache drops that block.
+
+A tier is configured as ``"host:2GiB"``, ``"disk:8GiB"`` or ``"disk:8GiB:/path"``. :func:`claim_tiers`
+parses the specs and claims the disk tiers' directories (:mod:`.tierdirs`) before the model loads,
+so a bad spec or an unwritable directory fails fast; :func:`make_tier` builds the tier once the
+block size in bytes is known.
 """
 
 from __future__ import annotations
 
 import abc
-import os
-import shutil
-import uuid
+import contextlib
+import logging
 import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +28,10 @@ from kvbaton.errors import InvalidRequest
 from safetensors.torch import load_file, save_file
 
 from .block_pool import blocks_for_budget
+from .loader import cache_dir
+from .tierdirs import TierDir, claim, default_dir
+
+log = logging.getLogger(__name__)
 
 
 class TierDataError(Exception):
@@ -102,22 +113,30 @@ class HostTier(Tier):
 
 
 class DiskTier(Tier):
-    """One safetensors file per block under a private directory, removed on close."""
+    """One safetensors file per block in a claimed tier directory, emptied on close."""
 
     name = "disk"
 
-    def __init__(self, capacity: int, root: Path) -> None:
+    def __init__(self, capacity: int, tier_dir: TierDir) -> None:
         super().__init__(capacity)
-        self.dir = Path(root) / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.dir.mkdir(parents=True, exist_ok=False)
+        self._dir = tier_dir
         self._crc: dict[int, int] = {}
+
+    @property
+    def dir(self) -> Path:
+        return self._dir.path
 
     def path(self, key: int) -> Path:
         return self.dir / f"{key}.safetensors"
 
     def put(self, key: int, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = k.to("cpu").contiguous(), v.to("cpu").contiguous()
-        save_file({"k": k, "v": v}, str(self.path(key)))
+        try:
+            save_file({"k": k, "v": v}, str(self.path(key)))
+        except BaseException:
+            with contextlib.suppress(OSError):  # a partial file of a full disk, if any
+                self.path(key).unlink(missing_ok=True)
+            raise
         self._crc[key] = _checksum(k, v)
         self.bytes_written += 2 * k.nbytes
 
@@ -137,24 +156,74 @@ class DiskTier(Tier):
 
     def delete(self, key: int) -> None:
         if self._crc.pop(key, None) is not None:
-            self.path(key).unlink(missing_ok=True)
+            try:
+                self.path(key).unlink(missing_ok=True)
+            except OSError as exc:  # the block is forgotten either way; close or the next start removes the file
+                log.warning("could not delete %s: %s", self.path(key), exc)
 
     def __len__(self) -> int:
         return len(self._crc)
 
     def close(self) -> None:
         self._crc.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._dir.release()
 
 
-def make_tier(spec: str, bytes_per_block: int, device: torch.device, root: Path) -> Tier:
-    """Build a tier from ``"host:2GiB"`` or ``"disk:8GiB"`` (also ``"disk:500 blocks"``)."""
-    kind, _, size = spec.partition(":")
+@dataclass
+class TierSpec:
+    """A parsed tier spec; a disk tier's directory is claimed from parsing until close."""
+
+    spec: str
+    kind: str
+    size: str
+    dir: TierDir | None = None
+
+    def release(self) -> None:
+        """Give the directory back (an engine that failed to start, or a tier closed)."""
+        if self.dir is not None:
+            self.dir.release()
+
+
+def tiers_root() -> Path:
+    return cache_dir() / "tiers"
+
+
+def claim_tiers(specs: Sequence[str], root: Path | None = None) -> list[TierSpec]:
+    """Parse ``"host:2GiB"``, ``"disk:8GiB"``, ``"disk:500 blocks"`` or ``"disk:8GiB:/path"`` and claim
+    each disk tier's directory (all or none: on error, those claimed already are given back)."""
+    claimed: list[TierSpec] = []
+    try:
+        for spec in specs:
+            claimed.append(_claim(spec, root or tiers_root()))
+    except BaseException:
+        for tier in claimed:
+            tier.release()
+        raise
+    return claimed
+
+
+def _claim(spec: str, root: Path) -> TierSpec:
+    if not isinstance(spec, str):
+        raise InvalidRequest(f"a tier is a string such as 'disk:4GiB', got {spec!r}")
+    kind, _, rest = spec.partition(":")
+    size, _, path = rest.partition(":")
     if not size:
         raise InvalidRequest(f"tier {spec!r} needs a capacity, e.g. 'disk:4GiB'")
-    capacity = blocks_for_budget(size, bytes_per_block)
+    if kind not in ("host", "disk"):
+        raise InvalidRequest(f"unknown tier kind {kind!r}: use 'host' or 'disk'")
+    blocks_for_budget(size, 1)  # the syntax now; the block count once the block's size is known
     if kind == "host":
+        if path:
+            raise InvalidRequest(f"tier {spec!r}: a host tier has no directory")
+        return TierSpec(spec, kind, size)
+    base = Path(path).expanduser() if path else default_dir(root, kind, size)
+    return TierSpec(spec, kind, size, claim(base, root))
+
+
+def make_tier(spec: TierSpec, bytes_per_block: int, device: torch.device) -> Tier:
+    """Build a claimed tier; its capacity is the blocks its size buys."""
+    capacity = blocks_for_budget(spec.size, bytes_per_block)
+    if spec.kind == "host":
         return HostTier(capacity, pin=device.type == "cuda")
-    if kind == "disk":
-        return DiskTier(capacity, root)
-    raise InvalidRequest(f"unknown tier kind {kind!r}: use 'host' or 'disk'")
+    assert spec.dir is not None
+    return DiskTier(capacity, spec.dir)

@@ -92,6 +92,9 @@ class AgentInfo(BaseModel):
 
 
 class AgentStats(BaseModel):
+    """One agent's requests and time to first token. Bounded on the engine: the mean and p90 are over
+    the agent's last 1,024 requests, and only the 1,024 most recently seen agents are listed."""
+
     requests: int
     ttft_mean_s: float
     ttft_p90_s: float
@@ -111,7 +114,12 @@ class CacheStats(BaseModel):
     blocks_prefetched: int
     prefetch_hits: int = Field(description="Prefetched blocks later used by a request.")
     prefetch_hit_rate: float
-    tier_errors: int = Field(description="Slow-tier blocks that could not be read back (recomputed).")
+    tier_errors: int = Field(
+        description="Slow-tier writes, reads or deletes that failed (the block dropped; recomputed when needed)."
+    )
+    handles_spilled: int = Field(
+        default=0, description="Idle live handles whose blocks went to a slow tier or were dropped to make room."
+    )
     steps_to_execution: dict[str, float]
 
 

@@ -112,15 +112,38 @@ def test_invalid_messages(engine, messages):
 
 def test_pool_exhausted_is_typed_and_leaves_pool_intact():
     small = Engine(kv_budget="4 blocks")
-    keep = small.materialize([5] * 40)  # 3 blocks
+    busy = small.complete_stream([9] * 30, SamplingParams(max_tokens=4, ignore_eos=True))
+    next(busy)  # in flight: its 3 blocks cannot be evicted or spilled (an idle handle's could)
+    keep = small.materialize([5] * 10)  # the last block
     with pytest.raises(PoolExhausted):
         small.materialize([6] * 40)
-    with pytest.raises(PoolExhausted):
-        small.resume(keep, [7] * 30, SamplingParams(max_tokens=4))
-    assert small.stats().blocks_used == 3
+    with pytest.raises(PoolExhausted):  # shares keep's block: spilling keep would free nothing
+        small.resume(keep, [7] * 10, SamplingParams(max_tokens=4))
+    assert small.stats().blocks_used == 4 and small.stats().cache.handles_spilled == 0
+    busy.close()
     small.release(keep)
     small.flush_cache()
     assert small.stats().blocks_used == 0
+
+
+def test_a_request_that_can_never_fit_is_invalid_not_retry_later():
+    small = Engine(kv_budget="8 blocks")  # 128 tokens in all
+    keep = small.materialize([5] * 40)
+    prefilled = small.stats().tokens_prefilled
+    never = "^this request can never fit: its {} tokens .* need {} KV blocks of 16 tokens, the whole pool has 8;"
+    with pytest.raises(InvalidRequest, match=never.format(239, 15)):  # 40 + 200 - 1 tokens
+        small.complete([6] * 40, SamplingParams(max_tokens=200))
+    never = never.format(r"\d+", r"\d+")
+    with pytest.raises(InvalidRequest, match=never):
+        small.resume(keep, [7] * 10, SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequest, match=never):
+        small.materialize([8] * 200)
+    with pytest.raises(InvalidRequest, match=never):
+        small.generate([{"role": "user", "content": "hi"}], handle=keep, sampling=SamplingParams(max_tokens=120))
+    stats = small.stats()
+    assert stats.tokens_prefilled == prefilled and stats.blocks_used == 3  # checked before any compute or block
+    assert small.resume(keep, [7] * 10, SamplingParams(max_tokens=4)).finish_reason == "length"  # one that fits
+    small.release(keep)
 
 
 @pytest.mark.unit

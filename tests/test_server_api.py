@@ -16,7 +16,6 @@ from kvbaton import (
     HandleReleased,
     IncompatibleHandle,
     InvalidRequest,
-    PoolExhausted,
 )
 from kvbaton.embedded import EmbeddedClient
 from kvbaton.errors import PayloadTooLarge
@@ -128,7 +127,7 @@ def test_typed_errors_through_the_sdk(client):
         client.resume(h, "x", max_tokens=65)  # server cap
     with pytest.raises(InvalidRequest):
         client.resume(h, "x", temperature=-1)  # validated client-side, same error as embedded
-    with pytest.raises(PoolExhausted):
+    with pytest.raises(InvalidRequest, match="can never fit"):  # larger than the whole pool: 400, not retry later
         client.materialize(list(range(1, 4000)))
     with pytest.raises(PayloadTooLarge):
         client.materialize("word " * 2_000_000)
@@ -166,7 +165,8 @@ def test_error_schema_and_status_codes(server):
             (("POST", "/v1/kv/materialize", {"context": list(range(1, 9000))}), 400, "context_too_long"),
             (("POST", "/v1/kv/resume", {"handle": h["id"], "suffix": list(range(1, 8200)), "max_tokens": 4}),
              400, "context_too_long"),
-            (("POST", "/v1/kv/materialize", {"context": list(range(1, 4000))}), 503, "pool_exhausted"),  # 96 MiB pool
+            # larger than the whole 96 MiB pool: never fits, so 400, not 503 "retry later"
+            (("POST", "/v1/kv/materialize", {"context": list(range(1, 4000))}), 400, "invalid_request"),
             (("POST", "/v1/kv/generate", {"messages": [{"role": "wizard", "content": "x"}]}), 400, "invalid_request"),
             (("POST", "/v1/kv/generate", {"messages": []}), 400, "invalid_request"),
             (("POST", "/v1/kv/tokenize", {"text": 3}), 400, "invalid_request"),
