@@ -243,6 +243,10 @@ def run_worker(
     try:
         WorkerServer(rank, engine, link, conn).serve_forever()
     finally:
+        try:  # the engine's own resources first: slow-tier directories, scheduler threads
+            engine.close()
+        except Exception:  # noqa: BLE001 - leaving anyway; the next start collects what is left
+            log.exception("worker %d: closing the engine failed", rank)
         # Peers may be dead already: skip collective teardown, just leave.
         os._exit(0)
 

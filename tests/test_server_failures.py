@@ -24,6 +24,7 @@ import re
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import kvbaton
@@ -243,7 +244,6 @@ def test_deeply_nested_json_is_a_400_and_the_connection_stays(server):
 # -- 5. never fits -------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, reason="needs the engine's never-fits check")
 def test_a_request_that_can_never_fit_is_a_400(tight):
     with tight.http() as http:
         for path, body in [("/v1/kv/complete", {"prompt": "hi", "max_tokens": 1000}),
@@ -335,3 +335,19 @@ def test_a_full_pool_never_evicts_another_tenants_retained_handles(tight):
         assert chat(b, "reader", " pear" * 160).status_code == 200
         assert chat(b, "other", " plum" * 160).status_code == 200
         assert b.post("/v1/kv/release_all").json()["released"] == 1
+
+
+def test_sigterm_is_a_clean_exit_that_removes_the_tier_files(tmp_path: Path) -> None:
+    """`kill <pid>` (what systemd and docker send) closes the engine: exit 0, no tier files left."""
+    tier_dir = tmp_path / "tier"
+    proc = ServerProcess(["--kv-budget", "8MiB", "--tier", f"disk:32MiB:{tier_dir}"]).start()
+    try:
+        with proc.http() as http:
+            assert http.post("/v1/kv/materialize", json={"context": "a few words " * 20}).status_code == 200
+        assert (tier_dir / "owner.lock").exists()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(30) == 0, proc.output()
+        assert not any(tier_dir.glob("*.safetensors")) and not (tier_dir / "owner.lock").exists()
+    finally:
+        proc.stop()
+        proc.log.unlink(missing_ok=True)

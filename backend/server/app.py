@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -172,11 +174,20 @@ def serve(
         engine: Any = Cluster(model=model, engine_options=options, **cluster_options)
     else:
         engine = Engine(model, **(engine_options or {}))
+    # uvicorn re-raises SIGTERM after its graceful shutdown; with the default action the process would
+    # die before the engine is closed (tier directories, worker processes): make it a clean exit.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
     try:
         app = create_app(engine, token=tokens or None, **app_options)
         log.info("kvbaton %s serving %s on http://%s:%d (%s)", kvbaton.__version__, engine.loaded.name, host, port,
                  f"{len(tokens)} token(s)" if tokens else "no auth, loopback only")
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
     finally:
-        if cluster_options:
-            engine.close()
+        engine.close()
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
