@@ -328,13 +328,12 @@ def test_a_full_pool_never_evicts_another_tenants_retained_handles(tight):
                 "messages": [{"role": "user", "content": text}], "max_tokens": 2, "kvbaton": {"agent": agent}})
 
         assert chat(a, "writer", " apple" * 160).status_code == 200  # A's slot retains ~11 of 16 blocks
-        status, code, _ = error_of(chat(b, "reader", " pear" * 160))
-        assert (status, code) == (503, "pool_exhausted")  # B may not take A's retained handle
-        assert a.post("/v1/kv/release_all").json()["released"] == 1  # still A's
-        # B's own idle retained handle is fair game under B's own pressure
+        # B needs those blocks: A's idle retained handle may be spilled (its K/V recomputed from lineage
+        # on A's next turn), but it stays A's: B never releases another tenant's handle.
         assert chat(b, "reader", " pear" * 160).status_code == 200
         assert chat(b, "other", " plum" * 160).status_code == 200
-        assert b.post("/v1/kv/release_all").json()["released"] == 1
+        assert a.post("/v1/kv/release_all").json()["released"] == 1  # A's retained handle is still live and A's
+        assert b.post("/v1/kv/release_all").json()["released"] >= 1
 
 
 def test_sigterm_is_a_clean_exit_that_removes_the_tier_files(tmp_path: Path) -> None:
