@@ -7,6 +7,7 @@ over HTTP only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -121,7 +122,15 @@ def server_processes(request: pytest.FixtureRequest) -> Iterator[dict[str, Serve
     """Starts, all at once, every server some collected test uses (their start-up is mostly imports:
     in parallel they cost the wall time of one), and stops them at the end of the session."""
     needed = {name for item in request.session.items for name in getattr(item, "fixturenames", ()) if name in SERVERS}
-    procs = {name: SERVERS[name]().start(wait=False) for name in sorted(needed)}
+    with running({name: SERVERS[name]() for name in sorted(needed)}) as procs:
+        yield procs
+
+
+@contextlib.contextmanager
+def running(procs: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+    """Starts every server at once (their start-ups overlap) and stops them all, logs removed, at the end."""
+    for proc in procs.values():
+        proc.start(wait=False)
     try:
         yield procs
     finally:

@@ -117,7 +117,7 @@ def test_handles_gone_at_scope_end_are_skipped_without_raising(caplog: pytest.Lo
     client, ops = _client()
     caplog.set_level(logging.DEBUG, logger="kvbaton.scope")
     with client.scope(name="job") as s:
-        a, b = client.materialize("a"), client.materialize("b")
+        a, _ = client.materialize("a"), client.materialize("b")
         ops.live.discard(a.id)  # released behind the client's back (another process, say)
     assert not ops.live and not s.owned()
     assert "kvbaton job: released 1 handles (1 already gone)" in caplog.text

@@ -30,7 +30,7 @@ import httpx
 import kvbaton
 import pytest
 from kvbaton.errors import QuotaExceeded, ServerUnavailable
-from server_fixtures import TOKEN_A, TOKEN_B, ServerProcess
+from server_fixtures import TOKEN_A, TOKEN_B, ServerProcess, running
 
 WAIT_S = 120.0  # how long a server may take to get somewhere (a busy 2-core machine), never a measured bound
 
@@ -44,15 +44,9 @@ CLUSTER = ["--devices", "cpu,cpu", "--kv-budget", "48MiB"]
 @pytest.fixture(scope="module")
 def extra_servers() -> Iterator[dict[str, ServerProcess]]:
     """The module's own servers, started together (their start-up overlaps), stopped at the end."""
-    procs = {"tight": ServerProcess(TIGHT, token=TOKEN_A), "ttl": ServerProcess(TTL), "cluster": ServerProcess(CLUSTER)}
-    for proc in procs.values():
-        proc.start(wait=False)
-    try:
+    with running({"tight": ServerProcess(TIGHT, token=TOKEN_A), "ttl": ServerProcess(TTL),
+                  "cluster": ServerProcess(CLUSTER)}) as procs:
         yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
-            proc.log.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
