@@ -2,7 +2,8 @@
 
 ``compose`` assembles ``prefix + segments + suffix`` from existing K/V: a segment behind the same
 tokens as in its source is copied exactly; one at a new place is re-aligned (RoPE shift) and, in
-``mode="auto"``, corrected by an anchor pool or recomputed when the pool is unsure; a confidence
+``mode="auto"``, corrected by an anchor pool or recomputed when the pool is unsure, in
+``mode="blend"`` its most-deviating tokens recomputed (selective recomputation); a confidence
 gate recomputes everything approximated when the next token's top-2 margin is small. ``merge``
 never blends divergent K/V of the same positions. ``fidelity`` measures a handle against dense
 prefill of its tokens.
@@ -99,8 +100,11 @@ class Composer:
         :class:`~kvbaton.Segment` (or a whole handle) whose K/V are reused: exactly when the tokens before
         it are the same as in its source, otherwise re-aligned to the new positions and, in ``mode="auto"``,
         corrected for the new context by the anchor pool or recomputed densely when the gate is unsure.
-        ``mode="rotate"`` re-aligns without correction (an explicit approximation); ``mode="dense"``
-        recomputes every segment that is not exact. Approximate results are flagged (``exact=False`` on
+        ``mode="blend"`` re-aligns and recomputes the ``blend_ratio`` share of tokens whose layer-1 values
+        deviate most (selective recomputation: needs no anchors, what ``reuse="auto"`` uses), under the same
+        confidence gate; ``mode="rotate"`` re-aligns without correction (an explicit approximation);
+        ``mode="dense"`` recomputes every segment that is not exact. Leading tokens of a segment already in
+        the prefix cache are kept, and only the rest is placed. Approximate results are flagged (``exact=False`` on
         the handle) and never enter the prefix cache. ``correction`` overrides the engine's anchor-pool
         settings for this call (each distinct setting keeps its own pools).
         """
@@ -156,8 +160,10 @@ class Composer:
                     logits = self._life.compute_until(state, state.num_tokens)
                 if logits is not None:
                     margin = top2_margin(logits)
-                if margin is not None and mode in ("auto", "blend") and margin < pool.config.min_margin:
-                    reports = self.recompute_unsure(state, reports, margin, pool.config.min_margin, state.exact_len)
+                cfg = pool.config
+                threshold = cfg.blend_min_margin if mode == "blend" else cfg.min_margin
+                if margin is not None and mode in ("auto", "blend") and margin < threshold:
+                    reports = self.recompute_unsure(state, reports, margin, threshold, state.exact_len)
             # Tokens found in the prefix cache are already counted in reused_before.
             reused = reused_before + sum(r.tokens_reused for r in reports)
             handle = self._life.register(state, reused)
@@ -266,8 +272,7 @@ class Composer:
             kv.write_rows(state, offset, shifter.shift(k, start, offset), v)
             return report("rotated", "keys re-aligned to the new positions; no correction (mode='rotate')", available)
         cfg = anchors.config
-        if mode == "blend" or (mode == "auto" and cfg.chained and anchors.anchors((slot, src.agent, state.agent))
-                                < cfg.min_anchors and cfg.blend_ratio > 0):
+        if mode == "blend" and cfg.blend_ratio > 0:
             kv.write_rows(state, offset, shifter.shift(k, start, offset), v)
             deviation = self._life.deviation(state, offset, available)
             m = min(available, max(1, math.ceil(cfg.blend_ratio * available)))

@@ -283,7 +283,7 @@ class Engine:
             logits = self.requests.compute(state)
             approximated = [r.offset + r.tokens_cached for r in reports if r.outcome in ("rotated", "blended")]
             if approximated and policy == "auto":
-                margin, threshold = top2_margin(logits), self.correction.min_margin
+                margin, threshold = top2_margin(logits), self.correction.blend_min_margin
                 if margin < threshold:
                     reports = self.composer.recompute_unsure(state, reports, margin, threshold, min(approximated))
                     assert state.last_logits is not None

@@ -79,6 +79,8 @@ class Mover:
         if choice == "recompute":
             cached = self._cached_on(dst, meta)
             started = time.perf_counter()
+            # The lineage says how it moved: a recompute is dense prefill (exact again), not a transfer.
+            moved = moved.model_copy(update={"lineage": meta.lineage + (LineageStep(op=Op.RECOMPUTE, parent=hid),)})
             new = dst.call("adopt", moved)
             # Observed prefills refit the worker's prefill line (costmodel): it follows the real lengths.
             self.costs.observe_prefill(dst.rank, tokens - cached, time.perf_counter() - started)

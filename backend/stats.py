@@ -69,6 +69,7 @@ class AgentLatencies:
 _SUMMED = (
     "blocks_total", "blocks_used", "blocks_free", "blocks_shared", "blocks_cached", "blocks_cache_only",
     "pool_bytes_total", "pool_bytes_used", "pool_bytes_free", "tokens_reused", "tokens_prefilled", "tokens_generated",
+    "tokens_approximate",
 )
 
 
@@ -94,6 +95,7 @@ def engine_stats(
         tokens_reused=requests.tokens_reused,
         tokens_prefilled=requests.tokens_prefilled,
         tokens_generated=requests.tokens_generated,
+        tokens_approximate=requests.tokens_approximate,
         # Blocks referenced by more than one handle or request (the cache's own reference aside).
         blocks_shared=sum(1 for b in range(pool.num_blocks) if pool.refcount(b) - (b in cached) > 1),
         blocks_cached=len(cached),

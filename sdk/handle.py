@@ -24,7 +24,8 @@ class Op(str, Enum):
     RESUME = "resume"
     GENERATE = "generate"
     COMPOSE = "compose"
-    TRANSFER = "transfer"  # moved to another worker; tokens unchanged
+    TRANSFER = "transfer"  # moved to another worker with its K/V; tokens unchanged (approximate stays approximate)
+    RECOMPUTE = "recompute"  # moved to another worker by dense prefill of its tokens; exact again
 
 
 class LineageStep(BaseModel):

@@ -216,6 +216,9 @@ class Stats(BaseModel):
     tokens_reused: int
     tokens_prefilled: int
     tokens_generated: int
+    tokens_approximate: int = Field(
+        default=0, description="Of tokens_reused, those re-aligned from another context (reuse='auto'/'rotate')."
+    )
     cache: CacheStats | None = None
     agents: dict[str, AgentStats] = Field(default_factory=dict)
     cluster: ClusterStats | None = Field(default=None, description="Multi-device servers only: per-worker view.")

@@ -194,7 +194,7 @@ def test_typed_errors(engine):
     with pytest.raises(InvalidRequest):
         engine.compose()
     with pytest.raises(InvalidRequest):
-        engine.compose(segments=[h], mode="blend")
+        engine.compose(segments=[h], mode="bogus")
     with pytest.raises(InvalidRequest):
         engine.compose(segments=[h], correction={"rank": 0})
     for rope in ("dynamic", "yarn", "longrope"):

@@ -1,0 +1,191 @@
+"""Automatic cross-prefix reuse: agents that put their own system prompt first still reuse the KV of
+what another agent already read (the span index + ``reuse=`` policies), never silently.
+
+- a reviewer behind its own system prompt reuses the reader's document, and the result says how;
+- ``reuse="exact"`` (the default) never changes greedy output against dense prefill;
+- an approximate answer is marked on the Result (``exact``, ``tokens_approximate``, ``segments``);
+- partial prefix hits inside a segment keep the cached part and place only the remainder;
+- the span index is scoped (no reuse across scopes) and bounded, and forgets released sources;
+- an agent resumes its own approximate turn instead of re-prefilling its transcript;
+- the silent spots of issue 19 each have a regression test here.
+"""
+
+from __future__ import annotations
+
+import kvbaton
+import pytest
+from conftest import dense_greedy
+from kvbaton.backend.spans import MIN_SPAN, SpanIndex
+from kvbaton.bench.corpus import document
+from kvbaton.errors import InvalidRequest
+
+READER = "You are the reader. Summarize the notes for the team in plain words."
+REVIEWER = "You are a strict reviewer who points out risks, missing owners and vague decisions."
+GREEDY = kvbaton.SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def chat(system: str, doc: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"{doc}\n\n{question}"}]
+
+
+@pytest.fixture
+def doc() -> str:
+    return document(140, seed=11)
+
+
+def test_reviewer_behind_its_own_prompt_reuses_the_readers_document(engine, doc):
+    reader = engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
+    review = engine.generate(chat(REVIEWER, doc, "What is the biggest risk?"), sampling=GREEDY, agent="reviewer",
+                             reuse="rotate")
+    (span,) = review.segments
+    assert span.source == reader.handle.id and span.outcome == "rotated" and not span.exact
+    assert span.end - span.start >= len(engine.tokenize(doc)) - 8  # the whole document, give or take the edges
+    assert review.timings.tokens_approximate == span.tokens_reused > 0
+    assert review.timings.tokens_reused >= review.timings.tokens_approximate
+    assert not review.exact and not review.handle.exact
+
+
+def test_auto_blends_or_falls_back_and_says_which(engine, doc):
+    engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
+    review = engine.generate(chat(REVIEWER, doc, "What is the biggest risk?"), sampling=GREEDY, agent="reviewer",
+                             reuse="auto")
+    (span,) = review.segments
+    assert span.outcome in ("blended", "recomputed")
+    if span.outcome == "blended":  # the tokens that deviated most were recomputed, the rest reused
+        assert 0 < span.tokens_reused < span.end - span.start and not review.exact
+        assert "recomputed" in span.reason
+    else:  # the confidence gate: dense, exact, and the reason says why
+        assert span.reason.startswith("low confidence") and review.exact and span.exact
+
+
+def test_exact_policy_is_token_identical_to_dense_prefill(engine, reference, doc):
+    engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
+    messages = chat(REVIEWER, doc, "What is the biggest risk?")
+    result = engine.generate(messages, sampling=GREEDY, agent="reviewer")  # the default policy is exact
+    expected, _ = dense_greedy(reference, engine.chat_tokens(messages), GREEDY.max_tokens)
+    assert result.token_ids == expected
+    assert result.exact and result.segments == [] and result.timings.tokens_approximate == 0
+
+
+def test_blend_is_closer_to_dense_than_rotation_alone(engine, doc):
+    """Selective recomputation: the K/V of the recomputed tokens are dense-exact, so the whole prompt's
+    deviation from dense prefill shrinks (measured on the real model, KL of the next token)."""
+    source = engine.materialize(engine.chat_tokens(chat(READER, doc, "Summarize.")))
+    messages = chat(REVIEWER, doc, "What is the biggest risk?")
+    prompt = engine.chat_tokens(messages)
+    reference = engine.materialize(prompt[:-1])
+    dense = engine.next_token_logits(reference, prompt[-1:]).log_softmax(-1)
+    engine.release(reference)  # not a source of the compositions below
+    engine.flush_cache()
+    kl = {}
+    for mode in ("rotate", "blend"):
+        seg = next(iter(engine.spans.find(prompt, 0, len(prompt) - 1, "")))
+        assert seg.source.id == source.id
+        composed = engine.compose(prompt[: seg.offset], [source.segment(seg.start, seg.start + seg.length)],
+                                  prompt[seg.offset + seg.length : -1], mode=mode, correction={"min_margin": 0})
+        q = engine.next_token_logits(composed.handle, prompt[-1:]).log_softmax(-1)
+        kl[mode] = float((dense.exp() * (dense - q)).sum())
+        assert composed.segments[0].outcome == {"rotate": "rotated", "blend": "blended"}[mode]
+    assert kl["blend"] < kl["rotate"]
+
+
+def test_partial_prefix_hit_places_only_the_remainder(engine, doc):
+    reader = engine.materialize(engine.chat_tokens(chat(READER, doc, "Summarize.")))
+    prompt = engine.chat_tokens(chat(REVIEWER, doc, "What is the biggest risk?"))
+    (seg,) = engine.spans.find(prompt, 0, len(prompt) - 1, "")
+    # The prefix cache holds the reviewer's prompt up to 40 tokens into the document.
+    engine.materialize(prompt[: seg.offset + 40])
+    composed = engine.compose(prompt[: seg.offset], [reader.segment(seg.start, seg.start + seg.length)],
+                              prompt[seg.offset + seg.length :], mode="rotate")
+    report = composed.segments[0]
+    cached = report.tokens_cached
+    assert 40 - engine.block_size < cached <= 40  # the whole cached blocks of the segment were kept
+    assert report.outcome == "rotated" and report.tokens_reused == seg.length - cached  # only the rest placed
+    assert (report.start, report.end, report.offset) == (seg.start, seg.start + seg.length, seg.offset)
+    assert composed.tokens_reused == seg.offset + cached + report.tokens_reused
+
+
+def test_dense_segment_behind_an_approximate_one_is_not_reported_exact(engine, doc):
+    a = engine.materialize(engine.tokenize(doc + "\n" + document(120, seed=12)))
+    n1 = len(engine.tokenize(doc))
+    prefix = engine.chat_tokens([{"role": "system", "content": REVIEWER}], add_generation_prompt=False)
+    cfg = {"min_margin": 0, "min_anchors": 1, "max_distance": 100.0}
+    pool = engine.anchor_pool(cfg)
+    first = engine.compose(prefix, [a.segment(0, n1, slot="doc")], "\nRisk?", correction=cfg)
+    assert first.segments[0].outcome == "recomputed" and first.segments[0].exact  # no anchor yet: dense, exact
+    pool.flush()
+    engine.flush_cache()
+    mixed = engine.compose(prefix, [a.segment(0, n1, slot="doc"), a.segment(n1, a.num_tokens, slot="fresh")],
+                           "\nRisk?", correction=cfg)
+    pool.flush()
+    corrected, dense = mixed.segments
+    assert corrected.outcome == "corrected" and not corrected.exact
+    # Recomputed densely, but behind approximate K/V: reported approximate, and never made an anchor.
+    assert dense.outcome == "recomputed" and not dense.exact and not mixed.exact
+    assert pool.anchors(("fresh", None, None)) == 0
+
+
+def test_merge_of_an_approximate_handle_reports_its_parts_honestly(engine, doc):
+    source = engine.materialize(engine.tokenize("Notes follow.\n" + doc))
+    n = source.num_tokens
+    rotated = engine.compose("Reviewer notes:\n", [source.segment(4, n)], mode="rotate").handle
+    (short,) = engine.fork(rotated, 1)
+    merged = engine.merge([rotated, short])
+    assert not merged.exact
+    assert all(not part.exact and "approximate" in part.reason for part in merged.segments)
+    exact = engine.materialize(engine.tokenize(doc))
+    assert all(part.exact for part in engine.merge([exact]).segments)
+
+
+def test_released_sources_are_forgotten_and_scopes_never_mix(engine, doc):
+    engine.span_scope = lambda agent: agent.split("/", 1)[0] if agent else None
+    reader = engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="tenant-a/reader")
+    other = engine.generate(chat(REVIEWER, doc, "Risk?"), sampling=GREEDY, agent="tenant-b/reviewer", reuse="rotate")
+    assert other.segments == [] and other.exact  # another tenant's document is not a source
+    engine.flush_cache()  # (the prefix cache would serve tenant B's exact prompt prefix here)
+    same = engine.generate(chat(REVIEWER, doc, "Owner?"), sampling=GREEDY, agent="tenant-a/reviewer", reuse="rotate")
+    assert [s.source for s in same.segments] == [reader.handle.id]
+    engine.release([reader.handle, same.handle])
+    engine.flush_cache()
+    again = engine.generate(chat(REVIEWER, doc, "Who?"), sampling=GREEDY, agent="tenant-a/critic", reuse="rotate")
+    assert reader.handle.id not in {s.source for s in again.segments}
+    engine.release([other.handle, again.handle])
+    assert len(engine.spans) == 0 and engine.stats().handles_live == 0
+
+
+def test_span_index_is_bounded():
+    index = SpanIndex(capacity=64)
+    from kvbaton.backend.sequence import KVState
+
+    for i in range(20):
+        state = KVState(id=str(i), token_ids=list(range(i * 1000, i * 1000 + 400)), blocks=[], num_cached=400,
+                        lineage=())
+        index.add(state, "")
+    assert len(index) <= 64
+
+
+def test_an_agent_resumes_its_own_approximate_turn(engine, doc):
+    engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
+    first = engine.generate(chat(REVIEWER, doc, "Risk?"), sampling=GREEDY, agent="reviewer", reuse="rotate")
+    assert not first.exact
+    follow_up = chat(REVIEWER, doc, "Risk?") + [
+        {"role": "assistant", "content": first.text}, {"role": "user", "content": "And the owner?"}
+    ]
+    second = engine.generate(follow_up, sampling=GREEDY, agent="reviewer", reuse="rotate")
+    prompt = engine.chat_tokens(follow_up)
+    # Its whole first turn (document included) came from its own approximate handle: only the new
+    # messages were prefilled, and the answer stays marked approximate.
+    assert second.timings.tokens_reused >= first.handle.num_tokens - 4
+    assert second.timings.tokens_prefilled < len(prompt) - first.handle.num_tokens + 8
+    assert not second.exact and second.timings.tokens_approximate > 0
+    # With reuse="exact" the same turn never starts from approximate K/V.
+    exact = engine.generate(follow_up, sampling=GREEDY, agent="reviewer", reuse="exact")
+    assert exact.exact and exact.timings.tokens_approximate == 0
+
+
+def test_reuse_policy_is_validated(engine):
+    with pytest.raises(InvalidRequest):
+        engine.generate([{"role": "user", "content": "hi"}], reuse="sometimes")
+    with pytest.raises(InvalidRequest):
+        kvbaton.backend.Engine(reuse="always")
+    assert MIN_SPAN >= 16
