@@ -255,7 +255,7 @@ def run_dtype(dtype: str, names: Sequence[str], repeats: int, tf_passes: int, ma
         runs = alternating(repeats, {v: side(v) for v in chosen})
         progress.close()
         exact_ref = runs["exact"][0]
-        tf: dict[str, list[dict[str, Any]]] = {v: [] for v in chosen if v in APPROXIMATE}
+        tf: dict[str, list[dict[str, Any]]] = {v: [] for v in chosen if v in APPROXIMATE and tf_passes > 0}
         tf_seconds: dict[str, list[float]] = {v: [] for v in tf}
         if tf:
             for p in tqdm(range(tf_passes), desc=f"agents {dtype} teacher-forced", unit="pass"):
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"timed repetitions of every variant, alternating (default {DEFAULT_REPEATS}; 1 with --quick)")
     parser.add_argument("--tf-passes", type=int, default=None,
                         help=f"teacher-forced passes of each approximate variant, pass p on documents of seed p "
-                             f"(default {DEFAULT_TF_PASSES}: 63 reusing-agent turns; 1 with --quick)")
+                             f"(default {DEFAULT_TF_PASSES}: 63 reusing-agent turns; 1 with --quick; 0: none)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="greedy tokens per turn, EOS ignored (default 32; 4 with --quick)")
     parser.add_argument("--quick", action="store_true",
@@ -415,8 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else DEFAULT_REPEATS)
     tf_passes = args.tf_passes if args.tf_passes is not None else (1 if args.quick else DEFAULT_TF_PASSES)
     max_tokens = args.max_tokens if args.max_tokens is not None else (4 if args.quick else 32)
-    if repeats < 1 or tf_passes < 1 or max_tokens < 1:
-        parser.error("--repeats, --tf-passes and --max-tokens must be >= 1")
+    if repeats < 1 or tf_passes < 0 or max_tokens < 1:
+        parser.error("--repeats and --max-tokens must be >= 1, --tf-passes >= 0")
     variants = list(dict.fromkeys(["exact", *args.variants]))
     args.quick_record = args.quick_record or args.quick  # a smoke run is never published
     with record.Recording.from_args("agents", args, argv) as rec:
