@@ -48,6 +48,52 @@ engine.close()
 """
 
 
+def vllm_checkpoint(src: Path, root: Path) -> Path:
+    """``src`` as vLLM loads it correctly: the same weights, re-keyed where needed.
+
+    kvbaton's converted checkpoint stores the tied embedding once, as ``lm_head.weight``, and its
+    config has ``architectures: null``; vLLM's Llama would then leave ``embed_tokens`` unloaded
+    (garbage output). The copy under ``root`` adds ``model.embed_tokens.weight`` (the same tensor)
+    and names the architecture; tokenizer and other files are copied as they are. Made once.
+    """
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((src / "config.json").read_text())
+    files = sorted(src.glob("*.safetensors"))
+    keys = set()
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            keys |= set(st.keys())
+    if "model.embed_tokens.weight" in keys and config.get("architectures"):
+        return src
+    dst = root / src.name
+    if (dst / ".complete").is_file():
+        return dst
+    tmp = root / f".{src.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, tmp / f.name)
+    config["architectures"] = config.get("architectures") or ["LlamaForCausalLM"]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            tensors.update({k: st.get_tensor(k) for k in st.keys()})
+    if "model.embed_tokens.weight" not in tensors:
+        tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / ".complete").write_text(f"re-keyed copy of {src}\n")
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    return dst
+
+
 def load_workloads() -> Any:
     spec = importlib.util.spec_from_file_location("kvbaton_bench_workloads", WORKLOADS_PY)
     assert spec is not None and spec.loader is not None
@@ -152,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-kvbaton", action="store_true",
                         help="alternate every vLLM repeat with one of kvbaton's exact and auto variants")
     parser.add_argument("--model-dir", default=None, help="checkpoint dir (default: the one kvbaton's loader caches)")
+    parser.add_argument("--vllm-models", type=Path, default=Path(sys.prefix) / "kvbaton-models",
+                        help="where a vLLM-ready copy of the checkpoint is made when needed (default: in this venv)")
     parser.add_argument("--results-dir", type=Path, default=ROOT / "results",
                         help="the JSON goes to DIR/<UTC time>-<commit>-vllm/peer_vllm.json (default results)")
     args = parser.parse_args(argv)
@@ -168,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         print(probe.stderr, file=sys.stderr)
         raise SystemExit(f"peer_vllm: could not ask kvbaton ({kvbaton_python()}) for its model; set KVBATON_PYTHON")
     kv = json.loads(probe.stdout.strip().splitlines()[-1])
-    model_dir = args.model_dir or kv["model_dir"]
-    print(f"peer_vllm: model {model_dir}", flush=True)
+    source_dir = args.model_dir or kv["model_dir"]
+    model_dir = str(vllm_checkpoint(Path(source_dir), args.vllm_models))
+    print(f"peer_vllm: model {source_dir}" + (f" (vLLM loads the re-keyed copy {model_dir})"
+                                              if model_dir != source_dir else ""), flush=True)
 
     started = time.perf_counter()
     peer = VllmPeer(model_dir, max_tokens)
@@ -206,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "env": {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU")},
         "cores": os.cpu_count(), "load_after": os.getloadavg(),
-        "model_dir": model_dir, "kvbaton_model": kv["kvbaton_model"], "dtype": "float32",
+        "model_dir": source_dir, "vllm_model_dir": model_dir, "kvbaton_model": kv["kvbaton_model"], "dtype": "float32",
         "startup_s": startup_s, "same_prompt_ids_as_kvbaton": template_ok,
         "document_tokens": len(peer.tokenizer.encode(debate.document, add_special_tokens=False)),
         "vllm_seconds": [r["seconds"] for r in vllm_runs], "vllm_end_to_end_s": spread([r["seconds"] for r in vllm_runs]),
