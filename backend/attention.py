@@ -11,6 +11,7 @@ Called without kvbaton metadata (plain ``model(input_ids)``), it is ordinary SDP
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,23 @@ def build_seq_attention(pool: BlockPool, blocks: list[int], q_start: int, start:
         mask=mask,
         causal=start == 0 and q_len > 1,
         prefix=start if split else 0,
+    )
+
+
+def build_sparse_attention(pool: BlockPool, blocks: list[int], q_start: int, positions: Sequence[int]) -> SeqAttention:
+    """Metadata for new tokens at explicit ascending ``positions`` among cached ones (selective
+    recomputation): each writes its K/V at its own slot and sees every position up to its own."""
+    end = positions[-1] + 1
+    pos = torch.tensor(list(positions), dtype=torch.long, device=pool.device)
+    read = pool.slots(blocks, 0, end)
+    write = pos + read.start if isinstance(read, slice) else read[pos]
+    return SeqAttention(
+        q_start=q_start,
+        q_len=len(positions),
+        write_slots=write,
+        read_slots=read,
+        mask=torch.arange(end, device=pool.device)[None, :] <= pos[:, None],
+        causal=False,
     )
 
 

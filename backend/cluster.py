@@ -37,9 +37,9 @@ from typing import Any, TypeVar
 from kvbaton.capabilities import KVBATON, Capabilities
 from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, InvalidRequest, ServerError
 from kvbaton.handle import Handle, Segment
-from kvbaton.ops import Context, HandleLike, ste_map
+from kvbaton.ops import Context, HandleLike, check_reuse, ste_map
 from kvbaton.stream import TokenStream
-from kvbaton.types import AgentInfo, Composition, Result, SamplingParams, Stats, StreamChunk
+from kvbaton.types import AgentInfo, Composition, Result, Reuse, SamplingParams, Stats, StreamChunk
 
 from .calibration import measure_call_overhead, measure_link, measure_prefill
 from .costmodel import Calibration, CostModel, load_cached, store_cached
@@ -457,35 +457,42 @@ class Cluster:
             handle, lambda w, hid: (w, w.stream("resume_stream", hid, suffix, params, agent=agent))
         ))
 
-    def complete(self, prompt: Any, sampling: SamplingParams | None = None, *, agent: str | None = None) -> Result:
-        return self.complete_stream(prompt, sampling, agent=agent).until_done()
+    def complete(self, prompt: Any, sampling: SamplingParams | None = None, *, agent: str | None = None,
+                 reuse: Reuse | None = None) -> Result:
+        return self.complete_stream(prompt, sampling, agent=agent, reuse=reuse).until_done()
 
     def complete_stream(self, prompt: Any, sampling: SamplingParams | None = None, *,
-                        agent: str | None = None) -> TokenStream:
+                        agent: str | None = None, reuse: Reuse | None = None) -> TokenStream:
+        # Each worker's span index holds what ran on it: cross-prefix reuse happens within a worker.
+        check_reuse(reuse)
         params = sampling or SamplingParams()
         tokens = self._prompt_tokens(prompt)
         return self._stream(params, lambda: self._anywhere(
             tokens if isinstance(tokens, list) else None,
-            lambda w: (w, w.stream("complete_stream", tokens, params, agent=agent)),
+            lambda w: (w, w.stream("complete_stream", tokens, params, agent=agent, reuse=reuse)),
         ))
 
     def generate(self, messages: Any, *, handle: Handle | str | None = None, sampling: SamplingParams | None = None,
-                 tools: list[dict[str, Any]] | None = None, agent: str | None = None) -> Result:
-        return self.generate_stream(messages, handle=handle, sampling=sampling, tools=tools, agent=agent).until_done()
+                 tools: list[dict[str, Any]] | None = None, agent: str | None = None,
+                 reuse: Reuse | None = None) -> Result:
+        return self.generate_stream(
+            messages, handle=handle, sampling=sampling, tools=tools, agent=agent, reuse=reuse
+        ).until_done()
 
     def generate_stream(self, messages: Any, *, handle: Handle | str | None = None,
                         sampling: SamplingParams | None = None, tools: list[dict[str, Any]] | None = None,
-                        agent: str | None = None) -> TokenStream:
+                        agent: str | None = None, reuse: Reuse | None = None) -> TokenStream:
+        check_reuse(reuse)
         params = sampling or SamplingParams()
         if handle is not None:
             return self._stream(params, lambda: self._on_handle(
                 handle, lambda w, hid: (w, w.stream(
-                    "generate_stream", messages, handle=hid, sampling=params, tools=tools, agent=agent
+                    "generate_stream", messages, handle=hid, sampling=params, tools=tools, agent=agent, reuse=reuse
                 ))
             ))
         tokens = self.chat_tokens(messages, tools=tools) if len(self.live_workers()) > 1 else None
         return self._stream(params, lambda: self._anywhere(tokens, lambda w: (w, w.stream(
-            "generate_stream", messages, sampling=params, tools=tools, agent=agent
+            "generate_stream", messages, sampling=params, tools=tools, agent=agent, reuse=reuse
         ))))
 
     def _stream(

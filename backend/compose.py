@@ -19,6 +19,7 @@ greedy continuation).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -40,6 +41,8 @@ from .rotary import RopeShifter
 from .sequence import KVState
 
 HandleLike = Handle | str
+MODES = ("auto", "blend", "rotate", "dense")
+_APPROXIMATE = ("rotated", "corrected", "blended")
 _REFERENCES = 16  # remembered dense continuations of reference handles
 
 
@@ -102,8 +105,8 @@ class Composer:
         settings for this call (each distinct setting keeps its own pools).
         """
         t0 = time.perf_counter()
-        if mode not in ("auto", "rotate", "dense"):
-            raise InvalidRequest(f"mode must be 'auto', 'rotate' or 'dense', got {mode!r}")
+        if mode not in MODES:
+            raise InvalidRequest(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
         check_agent(agent)
         pool = self.anchor_pool(correction)
         parts = [_as_segment(s) for s in segments]
@@ -143,24 +146,20 @@ class Composer:
             reused_before = self._life.admit(state, state.num_tokens)
             reports = []
             for i, ((src, start, end, slot), offset) in enumerate(zip(sources, offsets, strict=True)):
-                report = self._place_segment(state, i, src, start, end, slot, offset, mode, pool)
-                if report.outcome in ("rotated", "corrected") and state.exact_len is None:
-                    state.exact_len = offset
-                reports.append(report)
+                reports.append(self.place(state, i, src, start, end, offset, mode, pool, slot))
             logits = self._life.compute_until(state, state.num_tokens)
             margin = None
             if state.exact_len is not None:
-                if logits is None and mode == "auto":
+                if logits is None and mode in ("auto", "blend"):
                     # The prompt ends inside an approximated segment: recompute its last token for the logits.
                     state.num_cached -= 1
                     logits = self._life.compute_until(state, state.num_tokens)
                 if logits is not None:
-                    top = torch.topk(logits, 2).values
-                    margin = float(top[0] - top[1])
-                if margin is not None and mode == "auto" and margin < pool.config.min_margin:
-                    reports = self._recompute_unsure(state, reports, margin, pool.config.min_margin)
-            # Segments found in the prefix cache are already counted in reused_before.
-            reused = reused_before + sum(r.tokens_reused for r in reports if r.offset >= reused_before)
+                    margin = top2_margin(logits)
+                if margin is not None and mode in ("auto", "blend") and margin < pool.config.min_margin:
+                    reports = self.recompute_unsure(state, reports, margin, pool.config.min_margin, state.exact_len)
+            # Tokens found in the prefix cache are already counted in reused_before.
+            reused = reused_before + sum(r.tokens_reused for r in reports)
             handle = self._life.register(state, reused)
         except BaseException:
             self._life.abandon(state)
@@ -177,46 +176,79 @@ class Composer:
             margin=margin,
         )
 
-    def _recompute_unsure(
-        self, state: KVState, reports: list[SegmentReport], margin: float, threshold: float
+    def recompute_unsure(
+        self, state: KVState, reports: list[SegmentReport], margin: float, threshold: float, start: int
     ) -> list[SegmentReport]:
-        """Confidence gate: prefill densely everything from the first approximated position (lock not held).
-
-        Those blocks are private to ``state`` (written by this composition), so they are overwritten in place.
-        """
-        start = state.exact_len
-        assert start is not None
-        state.num_cached, state.exact_len, state.last_logits = start, None, None
+        """Confidence gate: prefill densely everything from ``start``, the first position this request
+        approximated (lock not held). Those blocks are private to ``state`` (written by this request), so
+        they are overwritten in place; an approximate prefix shared with a parent stays as it is."""
+        inherited = state.exact_len is not None and state.exact_len < start
+        state.num_cached, state.last_logits = start, None
+        if not inherited:
+            state.exact_len = None
         self._life.compute_until(state, state.num_tokens)
-        why = f"low confidence: next-token margin {margin:.2f} < min_margin {threshold:g} after correction; "
+        why = f"low confidence: next-token margin {margin:.2f} < min_margin {threshold:g} after approximation; "
         return [
-            r.model_copy(update={"outcome": "recomputed", "reason": why + r.reason, "tokens_reused": 0})
-            if r.offset >= start else r
+            r.model_copy(update={
+                "outcome": "recomputed", "reason": why + r.reason, "tokens_reused": 0, "exact": not inherited,
+            })
+            if r.offset + r.tokens_cached >= start else r
             for r in reports
         ]
 
-    def _place_segment(
-        self, state: KVState, index: int, src: KVState, start: int, end: int, slot: str, offset: int, mode: str,
-        anchors: AnchorPool,
+    def place(
+        self, state: KVState, index: int, src: KVState, start: int, end: int, offset: int, mode: str,
+        anchors: AnchorPool | None = None, slot: str | None = None,
     ) -> SegmentReport:
-        """Fill positions ``offset..`` of ``state`` with segment ``start..end`` of ``src`` (lock not held)."""
+        """Fill positions ``offset..`` of ``state`` (admitted, blocks reserved) with segment ``start..end``
+        of ``src`` (its blocks pinned), computing densely what lies before it; the lock is not held.
+
+        Leading tokens the state already has (prefix cache, its parent) are kept and only the rest is
+        placed. Whatever is approximated moves ``state.exact_len`` down to it, and so does anything
+        written behind approximate K/V, which is never reported exact."""
+        anchors = anchors or self.anchor_pool()
+        n = end - start
+        cached = min(max(0, state.num_cached - offset), n)
+        if cached == n:
+            return self._report(index, src, start, end, offset, "exact", "found in the prefix cache", 0, cached,
+                                state)
+        report = self._place_rest(state, index, src, start + cached, end, offset + cached, mode, anchors,
+                                  slot or f"segment{index}")
+        report = report.model_copy(update={"start": start, "offset": offset, "tokens_cached": cached})
+        if report.outcome in _APPROXIMATE and (state.exact_len is None or state.exact_len > offset + cached):
+            state.exact_len = offset + cached
+        if state.exact_len is not None and state.exact_len < offset + cached:
+            report = report.model_copy(update={"exact": False})
+        if cached and report.outcome == "recomputed":
+            report = report.model_copy(update={"reason": f"{cached} leading tokens found in the prefix cache; "
+                                                         f"the rest: {report.reason}"})
+        return report
+
+    def _report(
+        self, index: int, src: KVState, start: int, end: int, offset: int, outcome: str, reason: str, reused: int,
+        cached: int, state: KVState, **extra: Any,
+    ) -> SegmentReport:
+        return SegmentReport(
+            index=index, source=src.id, start=start, end=end, offset=offset, outcome=outcome,  # type: ignore[arg-type]
+            reason=reason, tokens_reused=reused, tokens_cached=cached,
+            exact=outcome not in _APPROXIMATE and (state.exact_len is None or state.exact_len >= offset), **extra,
+        )
+
+    def _place_rest(
+        self, state: KVState, index: int, src: KVState, start: int, end: int, offset: int, mode: str,
+        anchors: AnchorPool, slot: str,
+    ) -> SegmentReport:
+        """Place ``start..end`` of ``src`` at ``offset``, where ``state`` has no K/V yet (lock not held)."""
         n = end - start
         kv, shifter = self._kv, self.shifter
 
         def report(outcome: str, reason: str, reused: int, **extra: Any) -> SegmentReport:
-            return SegmentReport(
-                index=index, source=src.id, start=start, end=end, offset=offset, outcome=outcome,  # type: ignore[arg-type]
-                reason=reason, tokens_reused=reused, **extra,
-            )
+            return self._report(index, src, start, end, offset, outcome, reason, reused, 0, state, **extra)
 
         def dense(reason: str, **extra: Any) -> SegmentReport:
             self._life.compute_until(state, offset + n)
             return report("recomputed", reason, 0, **extra)
 
-        if state.num_cached >= offset + n:
-            return report("exact", "found in the prefix cache", n)
-        if state.num_cached > offset:
-            return dense("partly found in the prefix cache; the rest was prefilled")
         self._life.compute_until(state, offset)  # the dense part before this segment
         available = min(end, src.num_cached) - start  # a resumed source may not have its last token's K/V yet
         if available <= 0:
@@ -234,6 +266,15 @@ class Composer:
             kv.write_rows(state, offset, shifter.shift(k, start, offset), v)
             return report("rotated", "keys re-aligned to the new positions; no correction (mode='rotate')", available)
         cfg = anchors.config
+        if mode == "blend" or (mode == "auto" and cfg.chained and anchors.anchors((slot, src.agent, state.agent))
+                                < cfg.min_anchors and cfg.blend_ratio > 0):
+            kv.write_rows(state, offset, shifter.shift(k, start, offset), v)
+            deviation = self._life.deviation(state, offset, available)
+            m = min(available, max(1, math.ceil(cfg.blend_ratio * available)))
+            picked = sorted((torch.topk(deviation, m).indices + offset).tolist())
+            self._life.recompute_at(state, picked)
+            return report("blended", f"keys re-aligned to the new positions; the {m} of {available} tokens whose "
+                          "layer-1 values deviated most were recomputed behind the new prefix", available - m)
         if cfg.chained:  # KVCMAS: the source agent's own cache is the reference
             ref_k, ref_v, ref_start, key = k, v, start, (slot, src.agent, state.agent)
         else:  # context-free reference: the segment prefilled on its own
@@ -243,8 +284,9 @@ class Composer:
         estimate = anchors.estimate(key, reference)
         if estimate.delta is None:
             out = dense(estimate.reason, anchors=estimate.anchors, entropy=estimate.entropy)
-            exact_k, exact_v = kv.read_rows(state, offset, available)
-            anchors.add(key, reference, to_canonical(shifter.shift(exact_k, offset, 0), exact_v))
+            if state.exact_len is None:  # behind approximate K/V the "dense" target is itself off: no anchor
+                exact_k, exact_v = kv.read_rows(state, offset, available)
+                anchors.add(key, reference, to_canonical(shifter.shift(exact_k, offset, 0), exact_v))
             return out
         m = estimate.tokens
         k_rest, v_rest = from_canonical(reference[:, :m] + estimate.delta, self._kv_heads, self._head_dim)
@@ -294,13 +336,7 @@ class Composer:
                         )
             t0 = time.perf_counter()
             (child,) = self._ops.fork(longest.id, 1)
-            report = [
-                SegmentReport(
-                    index=i, source=st.id, start=0, end=st.num_tokens, offset=0, outcome="exact",
-                    reason="prefix-compatible", tokens_reused=st.num_tokens,
-                )
-                for i, st in enumerate(states)
-            ]
+            report = [_prefix_part(i, st, longest) for i, st in enumerate(states)]
             return Composition(
                 handle=child, segments=report, exact=child.exact, tokens_reused=child.num_tokens,
                 tokens_prefilled=0, compose_s=time.perf_counter() - t0,
@@ -412,6 +448,25 @@ def correction_config(value: CorrectionConfig | Mapping[str, Any] | None) -> Cor
         return CorrectionConfig(**value)
     except TypeError as exc:
         raise InvalidRequest(f"invalid correction settings: {exc}") from None
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    """Top-1 minus top-2 logit: how close the next greedy token is to flipping."""
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def _prefix_part(index: int, part: KVState, longest: KVState) -> SegmentReport:
+    """One whole handle of a prefix-compatible merge: its positions as the result holds them, which are
+    approximate from the longest handle's ``exact_len`` on."""
+    approx_from = longest.exact_len
+    exact = approx_from is None or approx_from >= part.num_tokens
+    return SegmentReport(
+        index=index, source=part.id, start=0, end=part.num_tokens, offset=0, outcome="exact",
+        reason="prefix-compatible" if exact else
+        f"prefix-compatible; the merged K/V are approximate from token {approx_from} on (as in {longest.id})",
+        tokens_reused=part.num_tokens, exact=exact,
+    )
 
 
 def _as_segment(part: Segment | Handle) -> Segment:

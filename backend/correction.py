@@ -60,6 +60,11 @@ class CorrectionConfig:
     # below this, an approximation could flip the answer, so the approximated part is recomputed
     # densely (0 turns it off). Measured in docs/results.md: flips happen at small margins.
     min_margin: float = 0.75
+    # Selective recomputation (CacheBlend-style, works cold): after re-alignment, this share of a
+    # segment's tokens — those whose layer-1 values deviate most from recomputation — is recomputed
+    # behind the new prefix. ``reuse="auto"`` and ``compose(mode="blend")`` use it; measured in
+    # docs/results.md (agents benchmark). 0 turns it off (auto then prefills such segments densely).
+    blend_ratio: float = 0.15
 
     def __post_init__(self) -> None:
         if self.method not in ("lowrank", "full"):
@@ -70,6 +75,8 @@ class CorrectionConfig:
             raise InvalidRequest("entropy_threshold must be in [0, 1]; temperature and max_distance > 0")
         if self.min_margin < 0:
             raise InvalidRequest("min_margin must be >= 0 (0 turns the confidence gate off)")
+        if not 0 <= self.blend_ratio <= 1:
+            raise InvalidRequest("blend_ratio must be in [0, 1]")
 
 
 class Factors:

@@ -16,23 +16,24 @@ the model, so bad input never costs compute or leaks memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from kvbaton.capabilities import KVBATON, Capabilities
 from kvbaton.errors import InvalidRequest
 from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, Segment, common_prefix_length
-from kvbaton.ops import Messages, check_agent, ste_map
+from kvbaton.ops import Messages, check_agent, check_reuse, ste_map
 from kvbaton.stream import TokenStream
-from kvbaton.types import AgentInfo, Composition, Fidelity, Result, SamplingParams, Stats
+from kvbaton.types import AgentInfo, Composition, Fidelity, Result, Reuse, SamplingParams, SegmentReport, Stats
 
 from .attention import ATTN_IMPLEMENTATION
 from .block_pool import BlockPool, PoolShape, blocks_for_budget
-from .compose import Composer, correction_config
+from .compose import Composer, correction_config, top2_margin
 from .correction import AnchorPool, CorrectionConfig
 from .eviction import EvictionPolicy
 from .handles import HandleTable, Identity
@@ -44,6 +45,7 @@ from .model_runner import ModelRunner
 from .prefetch import Prefetcher
 from .rotary import RopeShifter
 from .scheduler import Scheduler
+from .spans import MIN_SPAN, SpanIndex
 from .sequence import KVState
 from .stats import engine_stats
 from .tiers import claim_tiers
@@ -81,7 +83,10 @@ class Engine:
         lookahead: int = DEFAULT_LOOKAHEAD,
         correction: CorrectionConfig | Mapping[str, Any] | None = None,
         fast_decode: bool = True,
+        reuse: Reuse = "exact",
     ) -> None:
+        check_reuse(reuse)
+        self.reuse: Reuse = reuse
         if block_size < 1 or prefill_chunk < 1 or max_batch_tokens < 1 or lookahead < 0:
             raise InvalidRequest("block_size, prefill_chunk and max_batch_tokens must be positive, lookahead >= 0")
         if tiers and not prefix_cache:
@@ -127,6 +132,13 @@ class Engine:
             weakref.finalize(self, self.prefetcher.close)
         self.inputs = Inputs(lm)
         self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, prefill_chunk)
+        # Cross-prefix reuse: every live exact state is indexed by content (spans.py). ``span_scope``
+        # maps a request's agent to the scope its spans may come from (None: no cross-prefix reuse);
+        # a multi-tenant server sets it to the agent's tenant.
+        self.span_scope: Callable[[str | None], str | None] = lambda agent: ""
+        self.spans = SpanIndex(live=self.handles.find)
+        self.requests.on_register = self._index
+        self.requests.on_drop = self.spans.remove
         # A proxy: the composer calls the public operators without keeping the engine alive.
         self.composer = Composer(
             self.kv, self.handles, self.requests, self.inputs, self.shifter, weakref.proxy(self), self.correction,
@@ -190,50 +202,107 @@ class Engine:
         tokens = self.inputs.tokens(suffix, what="suffix", allow_empty=True)
         return self.requests.stream(self._behind(handle, tokens, Op.RESUME, params.max_tokens), params, agent)
 
-    def complete(self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None) -> Result:
-        return self.complete_stream(prompt, sampling, agent=agent).until_done()
+    def complete(self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
+                 reuse: Reuse | None = None) -> Result:
+        return self.complete_stream(prompt, sampling, agent=agent, reuse=reuse).until_done()
 
     def complete_stream(
-        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
+        reuse: Reuse | None = None,
     ) -> TokenStream:
-        """Plain completion of raw text or tokens, no handle and no chat template."""
+        """Plain completion of raw text or tokens, no handle and no chat template (``reuse`` as for generate)."""
         params = sampling or SamplingParams()
         tokens = self.inputs.tokens(prompt, what="prompt")
         self.inputs.check_context(len(tokens), params.max_tokens)
-        state = self.kv.share(None, 0, tokens, LineageStep(op=Op.GENERATE, token_ids=tuple(tokens)))
-        return self.requests.stream(state, params, agent)
+        return self._generation(tokens, None, params, agent, reuse)
 
     def generate(
         self, messages: Messages, *, handle: HandleLike | None = None, sampling: SamplingParams | None = None,
-        tools: list[dict[str, Any]] | None = None, agent: str | None = None,
+        tools: list[dict[str, Any]] | None = None, agent: str | None = None, reuse: Reuse | None = None,
     ) -> Result:
-        return self.generate_stream(messages, handle=handle, sampling=sampling, tools=tools, agent=agent).until_done()
+        return self.generate_stream(
+            messages, handle=handle, sampling=sampling, tools=tools, agent=agent, reuse=reuse
+        ).until_done()
 
     def generate_stream(
         self, messages: Messages, *, handle: HandleLike | None = None, sampling: SamplingParams | None = None,
-        tools: list[dict[str, Any]] | None = None, agent: str | None = None,
+        tools: list[dict[str, Any]] | None = None, agent: str | None = None, reuse: Reuse | None = None,
     ) -> TokenStream:
-        """Chat-templated generation reusing ``handle``'s K/V for the longest common token prefix."""
+        """Chat-templated generation reusing ``handle``'s K/V (or the prefix cache's) for the longest
+        common token prefix; with ``reuse="auto"``/``"rotate"`` also spans that other agents computed
+        behind a different prefix (docs/segments.md, "Automatic reuse")."""
         params = sampling or SamplingParams()
         prompt = self.chat_tokens(messages, tools=tools)
         self.inputs.check_context(len(prompt), params.max_tokens)
+        return self._generation(prompt, handle, params, agent, reuse)
+
+    def _generation(
+        self, prompt: list[int], handle: HandleLike | None, params: SamplingParams, agent: str | None,
+        reuse: Reuse | None,
+    ) -> TokenStream:
+        check_reuse(reuse)
+        check_agent(agent)
+        policy = reuse or self.reuse
+        scope = self.span_scope(agent) if policy != "exact" else None
         with self._lock:
-            if handle is None:
+            parent = self.handles.get(handle) if handle is not None else None
+            keep = common_prefix_length(parent.token_ids, prompt) if parent is not None else 0
+            if scope is not None:
+                # The agent's own earlier approximate turn: resume it rather than re-prefill its transcript.
+                own, n = self.spans.approximate_prefix(prompt, scope)
+                if own is not None and n >= max(keep, self.kv.cached_prefix(prompt)) + MIN_SPAN:
+                    parent, keep = own, n
+            if parent is None:
                 state = self.kv.share(None, 0, prompt, LineageStep(op=Op.GENERATE, token_ids=tuple(prompt)))
             else:
-                parent = self.handles.get(handle)
-                keep = common_prefix_length(parent.token_ids, prompt)
                 step = LineageStep(
                     op=Op.GENERATE, parent=parent.id, keep=None if keep == parent.num_tokens else keep,
                     token_ids=tuple(prompt[keep:]),
                 )
                 state = self.kv.share(parent, keep, prompt[keep:], step)
-        return self.requests.stream(state, params, agent)
+        prepare = None if scope is None else functools.partial(self._place_spans, policy=policy, scope=scope)
+        return self.requests.stream(state, params, agent, prepare)
+
+    def _place_spans(
+        self, state: KVState, *, policy: Reuse, scope: str
+    ) -> tuple[torch.Tensor, list[SegmentReport]]:
+        """Cross-prefix reuse for an admitted request: place the spans of its prompt that live states of
+        ``scope`` hold (after its exact prefix), compute the rest, and, under ``"auto"``, recompute
+        densely from the first approximated token when the next token looks unsure (lock not held)."""
+        with self._lock:
+            # The last prompt token is always computed: the request needs its logits.
+            found = self.spans.find(state.token_ids, state.num_cached, state.num_tokens - 1, scope)
+            pinned = [b for m in found for b in m.source.blocks]
+            self.kv.pin(pinned)  # the sources may be released meanwhile: keep their K/V readable
+        try:
+            mode = "blend" if policy == "auto" else "rotate"
+            reports = [
+                self.composer.place(state, i, m.source, m.start, m.start + m.length, m.offset, mode)
+                for i, m in enumerate(found)
+            ]
+            logits = self.requests.compute(state)
+            approximated = [r.offset + r.tokens_cached for r in reports if r.outcome in ("rotated", "blended")]
+            if approximated and policy == "auto":
+                margin, threshold = top2_margin(logits), self.correction.min_margin
+                if margin < threshold:
+                    reports = self.composer.recompute_unsure(state, reports, margin, threshold, min(approximated))
+                    assert state.last_logits is not None
+                    logits = state.last_logits
+            return logits, reports
+        finally:
+            self.kv.unpin(pinned)
+
+    def _index(self, state: KVState) -> None:
+        """A new live state's spans become sources for other requests of its scope (lock held)."""
+        scope = self.span_scope(state.agent)
+        if scope is not None:
+            self.spans.add(state, scope)
 
     def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
         with self._lock:
             for _, state in self.handles.release(handles):  # all or nothing
                 self.kv.drop(state)
+                self.spans.remove(state.id)
 
     def describe(self, handle: HandleLike) -> Handle:
         """The current metadata of a live handle."""
@@ -407,5 +476,6 @@ class Engine:
             for state in self.handles.states():
                 self.kv.drop(state)
                 self.handles.discard(state.id)
+            self.spans.clear()
         self.composer.close()
         self.scheduler.close()

@@ -17,14 +17,14 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
 from kvbaton.handle import Handle
 from kvbaton.ops import check_agent
 from kvbaton.stream import TokenStream
-from kvbaton.types import Result, SamplingParams, StreamChunk, Timings
+from kvbaton.types import Result, SamplingParams, SegmentReport, StreamChunk, Timings
 
 from .detokenizer import Detokenizer
 from .handles import HandleTable
@@ -37,6 +37,11 @@ from .sequence import KVState
 from .stats import AgentLatencies
 
 
+# Fills an admitted request's prompt (placing reused spans, computing the rest) and returns its
+# next-token logits and what it placed: cross-prefix reuse (``Engine._placer``).
+Prepare = Callable[[KVState], tuple[torch.Tensor, list[SegmentReport]]]
+
+
 @dataclass
 class RequestCounters:
     """Tokens served, for ``Stats``: reused from cache or handles, prefilled, generated; TTFTs per agent."""
@@ -44,6 +49,7 @@ class RequestCounters:
     tokens_reused: int = 0
     tokens_prefilled: int = 0
     tokens_generated: int = 0
+    tokens_approximate: int = 0
     ttft: AgentLatencies = field(default_factory=AgentLatencies)  # bounded: see stats.AgentLatencies
 
 
@@ -59,6 +65,8 @@ class Lifecycle:
         self._loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.counters = RequestCounters()
+        self.on_register: Callable[[KVState], None] | None = None  # the engine's span index
+        self.on_drop: Callable[[str], None] | None = None
 
     # -- admission and registration -------------------------------------------------------------
     def admit(self, state: KVState, num_tokens: int) -> int:
@@ -82,6 +90,8 @@ class Lifecycle:
             if reused is not None:
                 self.count_prefill(reused, state.num_tokens)
             self._handles.add(state.id, state)
+            if self.on_register is not None and state.cacheable:
+                self.on_register(state)
             return self.publish(state)
 
     def abandon(self, state: KVState) -> None:
@@ -89,6 +99,8 @@ class Lifecycle:
         with self._lock:
             self._kv.drop(state)
             self._handles.discard(state.id)
+            if self.on_drop is not None:
+                self.on_drop(state.id)
 
     def count_prefill(self, reused: int, prompt_len: int) -> None:
         with self._lock:
@@ -125,6 +137,22 @@ class Lifecycle:
         start = state.num_cached
         return self._scheduler.run(Chunk(list(state.blocks), start, state.token_ids[start:], all_logits=True))
 
+    def deviation(self, state: KVState, start: int, n: int) -> torch.Tensor:
+        """Per-token deviation of the re-aligned K/V at ``start..start+n-1`` from their recomputation
+        behind the state's own prefix (``ModelRunner.deviation``; layer 0 is rewritten exactly)."""
+        blocks, tokens = list(state.blocks), state.token_ids[start : start + n]
+        runner = self._scheduler.runner
+        return self._scheduler.call(lambda: runner.deviation(blocks, start, tokens))
+
+    def recompute_at(self, state: KVState, positions: list[int]) -> None:
+        """Recompute the K/V of the (ascending) cached ``positions`` behind everything before them,
+        in chunks of at most ``prefill_chunk`` tokens (selective recomputation)."""
+        for i in range(0, len(positions), self.prefill_chunk):
+            part = positions[i : i + self.prefill_chunk]
+            tokens = [state.token_ids[p] for p in part]
+            self._scheduler.run(Chunk(list(state.blocks), part[0], tokens, positions=part))
+        state.last_logits = None
+
     def _chunk(self, state: KVState, end: int) -> torch.Tensor:
         start = state.num_cached
         logits = self._scheduler.run(Chunk(list(state.blocks), start, state.token_ids[start:end]))
@@ -144,20 +172,23 @@ class Lifecycle:
             self.abandon(state)
             raise
 
-    def stream(self, state: KVState, params: SamplingParams, agent: str | None = None) -> TokenStream:
-        """A generation behind ``state``'s prompt, as a stream; closing it, even unread, frees the state."""
+    def stream(
+        self, state: KVState, params: SamplingParams, agent: str | None = None, prepare: Prepare | None = None
+    ) -> TokenStream:
+        """A generation behind ``state``'s prompt, as a stream; closing it, even unread, frees the state.
+        ``prepare`` fills the prompt after admission (default: compute every uncached token)."""
         try:
             check_agent(agent)
         except BaseException:
             self.abandon(state)
             raise
         state.agent = agent
-        chunks = self._decode(state, params, agent)
+        chunks = self._decode(state, params, agent, prepare)
         next(chunks)  # run up to the sentinel so that closing the stream, even unread, frees the state
         return TokenStream(chunks)  # type: ignore[arg-type]
 
     def _decode(
-        self, state: KVState, params: SamplingParams, agent: str | None = None
+        self, state: KVState, params: SamplingParams, agent: str | None = None, prepare: Prepare | None = None
     ) -> Generator[StreamChunk | None, None, Result]:
         """Prefill the uncached prompt, then generate token by token, yielding text as it becomes final."""
         prompt_len = state.num_tokens
@@ -168,10 +199,19 @@ class Lifecycle:
             t0 = time.perf_counter()
             # The last generated token is never written: it stays pending for the next user.
             reused = self.admit(state, prompt_len + params.max_tokens - 1)
-            logits = self.compute(state)
+            # Reused from an approximate parent (the agent's own earlier approximate turn).
+            approximate = max(0, reused - state.exact_len) if state.exact_len is not None else 0
+            segments: list[SegmentReport] = []
+            if prepare is None:
+                logits = self.compute(state)
+            else:
+                logits, segments = prepare(state)
+                reused += sum(s.tokens_reused for s in segments)
+                approximate += sum(s.tokens_reused for s in segments if not s.exact)
             with self._lock:
                 self._kv.insert(state)
                 self.count_prefill(reused, prompt_len)
+                self.counters.tokens_approximate += approximate
             rng = make_generator(params, self._loaded.device)
             detok = Detokenizer(self._loaded.tokenizer, params.stop)
             ttft = 0.0
@@ -220,5 +260,8 @@ class Lifecycle:
                 tokens_reused=reused,
                 tokens_prefilled=prompt_len - reused,
                 tokens_generated=len(generated),
+                tokens_approximate=approximate,
             ),
+            exact=handle.exact,
+            segments=segments,
         )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import BATCH_KWARG, AttentionBatch, build_seq_attention
+from .attention import BATCH_KWARG, AttentionBatch, build_seq_attention, build_sparse_attention
 from .block_pool import BlockPool
 from .fast_decode import FastDecoder
 from .loader import LoadedModel
@@ -28,6 +28,9 @@ class Chunk:
     start: int
     token_ids: Sequence[int]
     all_logits: bool = False  # logits of every token (fidelity measurement), not just the last
+    # Explicit ascending positions (selective recomputation): the tokens sit at these positions among
+    # K/V already in the pool, each seeing every position up to its own; ``start`` is the first of them.
+    positions: Sequence[int] | None = None
 
 
 class ModelRunner:
@@ -53,9 +56,13 @@ class ModelRunner:
         spans: list[tuple[int, int, bool]] = []
         for chunk in chunks:
             n = len(chunk.token_ids)
-            seqs.append(build_seq_attention(self.pool, list(chunk.blocks), len(input_ids), chunk.start, n))
+            if chunk.positions is None:
+                seqs.append(build_seq_attention(self.pool, list(chunk.blocks), len(input_ids), chunk.start, n))
+                positions.extend(range(chunk.start, chunk.start + n))
+            else:
+                seqs.append(build_sparse_attention(self.pool, list(chunk.blocks), len(input_ids), chunk.positions))
+                positions.extend(chunk.positions)
             input_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start, chunk.start + n))
             first = len(rows)
             rows.extend(range(len(input_ids) - n, len(input_ids)) if chunk.all_logits else [len(input_ids) - 1])
             spans.append((first, len(rows), chunk.all_logits))
@@ -70,3 +77,29 @@ class ModelRunner:
         # Usually only the last token of each chunk needs logits: skip the LM head everywhere else.
         logits = self._model.lm_head(hidden[0, torch.tensor(rows, device=self._device)]).float()
         return [logits[a:b] if every else logits[a] for a, b, every in spans]
+
+    @torch.inference_mode()
+    def deviation(self, blocks: Sequence[int], start: int, token_ids: Sequence[int]) -> torch.Tensor:
+        """How far each of ``token_ids`` (at positions ``start..``, K/V in the pool computed in another
+        context and re-aligned) is from its K/V behind this sequence's real context: the relative
+        distance of its layer-1 V from the recomputed one, ``[len(token_ids)]``.
+
+        Layer 0 is recomputed exactly on the way (its K/V depend only on token and position, and its
+        output on the real context), so only layers 1.. of these tokens stay approximate. CacheBlend's
+        selection signal: the tokens whose early-layer K/V deviate most are the ones to recompute.
+        """
+        inner = self._model.model
+        n = len(token_ids)
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)
+        pos = torch.arange(start, start + n, device=self._device)[None]
+        hidden = inner.embed_tokens(ids)
+        rope = inner.rotary_emb(hidden, position_ids=pos)
+        batch = AttentionBatch(pool=self.pool, seqs=[build_seq_attention(self.pool, list(blocks), 0, start, n)])
+        hidden = inner.layers[0](hidden, attention_mask=None, position_ids=pos, position_embeddings=rope,
+                                 **{BATCH_KWARG: batch})
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        second = inner.layers[1]
+        v = second.self_attn.v_proj(second.input_layernorm(hidden))[0]  # [n, kv_heads * head_dim]
+        _, cached = self.pool.read(1, self.pool.slots(list(blocks), start, start + n))  # [kv_heads, n, head_dim]
+        cached = cached.transpose(0, 1).reshape(n, -1).to(v.dtype)
+        return ((v - cached).float().pow(2).sum(-1) / cached.float().pow(2).sum(-1).clamp_min(1e-12)).cpu()

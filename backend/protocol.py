@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from kvbaton.handle import Handle
-from kvbaton.types import SamplingParams
+from kvbaton.types import Reuse, SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 # A handle in a request: its id, or the whole handle (then checked for compatibility with the server's model).
@@ -128,9 +128,18 @@ class ResumeRequest(Sampling):
     agent: Agent | None = None
 
 
+ReuseField = Field(
+    default=None,
+    description="Reuse policy: 'exact' (greedy output identical to dense prefill), 'auto' or 'rotate' (also "
+    "spans other agents computed behind another prefix, approximately; the result says so). Default: the server's "
+    "(--reuse, 'exact' unless set).",
+)
+
+
 class CompleteRequest(Sampling):
     prompt: ContextIn
     agent: Agent | None = None
+    reuse: Reuse | None = ReuseField
 
 
 class GenerateRequest(Sampling):
@@ -138,6 +147,7 @@ class GenerateRequest(Sampling):
     handle: HandleRef | None = None
     tools: list[dict[str, Any]] | None = None
     agent: Agent | None = None
+    reuse: Reuse | None = ReuseField
 
 
 class ReleaseRequest(BaseModel):

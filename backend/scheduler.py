@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,8 @@ from .model_runner import Chunk, ModelRunner
 
 @dataclass(eq=False)
 class _Work:
-    chunk: Chunk
+    chunk: Chunk | None  # None: ``call`` is run instead, alone
+    call: Callable[[], torch.Tensor] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     logits: torch.Tensor | None = None
     error: BaseException | None = None
@@ -38,6 +40,7 @@ class Scheduler:
         self, runner: ModelRunner, max_batch_tokens: int = 2048, max_batch_seqs: int = 64, gather_s: float = 0.003
     ) -> None:
         self._runner = runner
+        self.runner = runner
         self.gather_s = gather_s
         # Requests inside their decode loop ("decoding") or a prefill of several chunks ("prefilling").
         self._active: Counter[str] = Counter()
@@ -81,6 +84,21 @@ class Scheduler:
         assert work.logits is not None
         return work.logits
 
+    def call(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run ``fn`` (a model computation that is not one chunk, e.g. ``ModelRunner.deviation``) on
+        the scheduler thread, alone, in turn with the forwards; its result."""
+        work = _Work(None, fn)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._pending.append(work)
+            self._cv.notify()
+        work.done.wait()
+        if work.error is not None:
+            raise work.error
+        assert work.logits is not None
+        return work.logits
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -95,7 +113,10 @@ class Scheduler:
         batch: list[_Work] = []
         tokens = 0
         while self._pending and len(batch) < self.max_batch_seqs:
-            size = len(self._pending[0].chunk.token_ids)
+            head = self._pending[0].chunk
+            if head is None:  # a call runs alone
+                return batch or [self._pending.popleft()]
+            size = len(head.token_ids)
             if batch and tokens + size > self.max_batch_tokens:
                 break
             batch.append(self._pending.popleft())
@@ -118,9 +139,12 @@ class Scheduler:
                     return
                 batch = self._take()
             try:
-                logits = self._runner.forward([w.chunk for w in batch])
-                for i, work in enumerate(batch):
-                    work.logits = logits[i]
+                if batch[0].call is not None:
+                    batch[0].logits = batch[0].call()
+                else:
+                    logits = self._runner.forward([w.chunk for w in batch if w.chunk is not None])
+                    for i, work in enumerate(batch):
+                        work.logits = logits[i]
             except BaseException as exc:  # handed to every waiting request; the loop lives on
                 for work in batch:
                     work.error = exc

@@ -24,7 +24,7 @@ from .ops import Context, HandleLike, KVOps, Messages
 from .scope import Scope, arecord_stream, keep, record, record_stream, released
 from .stepgraph import StepGraph
 from .stream import AsyncTokenStream, TokenStream
-from .types import AgentInfo, Composition, Fidelity, Result, SamplingParams, Stats
+from .types import AgentInfo, Composition, Fidelity, Result, Reuse, SamplingParams, Stats
 
 
 def sampling_params(sampling: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
@@ -100,34 +100,46 @@ class Client:
         return record_stream(self, stream, handle)
 
     def complete(
-        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
+        reuse: Reuse | None = None, **options: Any,
     ) -> Result:
-        """Plain completion of text or token ids, without a handle or chat template (text replay)."""
-        return record(self, self.ops.complete(prompt, sampling_params(sampling, options), agent=agent))
+        """Plain completion of text or token ids, without a handle or chat template (text replay).
+        ``reuse`` as for :meth:`generate`."""
+        return record(self, self.ops.complete(prompt, sampling_params(sampling, options), agent=agent, reuse=reuse))
 
     def complete_stream(
-        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
+        reuse: Reuse | None = None, **options: Any,
     ) -> TokenStream:
         """Like :meth:`complete`, yielding text as it is generated."""
-        return record_stream(self, self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent))
+        return record_stream(
+            self, self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent, reuse=reuse)
+        )
 
     def generate(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
+        sampling: SamplingParams | None = None, agent: str | None = None, reuse: Reuse | None = None,
+        **options: Any,
     ) -> Result:
-        """Chat generation; the KV of ``handle`` is reused for the longest common token prefix."""
+        """Chat generation; the KV of ``handle`` (or the prefix cache) is reused for the longest common
+        token prefix. ``reuse="auto"`` or ``"rotate"`` also reuses spans other agents computed behind
+        a different prefix, approximately (marked: ``Result.exact`` is False); ``"exact"`` never
+        changes greedy output; ``None`` takes the engine's default (``connect(reuse=...)``, "exact")."""
         result = self.ops.generate(
-            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
+            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent,
+            reuse=reuse,
         )
         return record(self, result, *([handle] if handle is not None else []))
 
     def generate_stream(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
+        sampling: SamplingParams | None = None, agent: str | None = None, reuse: Reuse | None = None,
+        **options: Any,
     ) -> TokenStream:
         """Like :meth:`generate`, yielding text as it is generated."""
         stream = self.ops.generate_stream(
-            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
+            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent,
+            reuse=reuse,
         )
         return record_stream(self, stream, *([handle] if handle is not None else []))
 
@@ -266,30 +278,38 @@ class AsyncClient:
         return arecord_stream(self, stream, handle)
 
     async def complete(
-        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
+        reuse: Reuse | None = None, **options: Any,
     ) -> Result:
-        return record(self, await self.ops.complete(prompt, sampling_params(sampling, options), agent=agent))  # type: ignore[no-any-return]
+        result = await self.ops.complete(prompt, sampling_params(sampling, options), agent=agent, reuse=reuse)
+        return record(self, result)  # type: ignore[no-any-return]
 
     async def complete_stream(
-        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, **options: Any
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
+        reuse: Reuse | None = None, **options: Any,
     ) -> AsyncTokenStream:
-        return arecord_stream(self, await self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent))
+        stream = await self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent, reuse=reuse)
+        return arecord_stream(self, stream)
 
     async def generate(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
+        sampling: SamplingParams | None = None, agent: str | None = None, reuse: Reuse | None = None,
+        **options: Any,
     ) -> Result:
         result = await self.ops.generate(
-            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
+            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent,
+            reuse=reuse,
         )
         return record(self, result, *([handle] if handle is not None else []))  # type: ignore[no-any-return]
 
     async def generate_stream(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None, agent: str | None = None, **options: Any,
+        sampling: SamplingParams | None = None, agent: str | None = None, reuse: Reuse | None = None,
+        **options: Any,
     ) -> AsyncTokenStream:
         stream = await self.ops.generate_stream(
-            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent
+            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent,
+            reuse=reuse,
         )
         return arecord_stream(self, stream, *([handle] if handle is not None else []))
 

@@ -36,7 +36,7 @@ from .errors import (
     error_from_code,
 )
 from .handle import Handle, Segment
-from .ops import Context, HandleLike, Messages, ste_map
+from .ops import Context, HandleLike, Messages, check_reuse, ste_map
 from .stepgraph import StepGraph
 from .stream import AsyncTokenStream, TokenStream
 from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, SamplingParams, Stats, StreamChunk
@@ -50,6 +50,13 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 def _tagged(body: dict[str, Any], agent: str | None) -> dict[str, Any]:
     if agent is not None:
         body["agent"] = agent
+    return body
+
+
+def _with_reuse(body: dict[str, Any], reuse: str | None) -> dict[str, Any]:
+    check_reuse(reuse)  # a bad policy fails here, before any request is sent
+    if reuse is not None:
+        body["reuse"] = reuse
     return body
 
 
@@ -122,20 +129,22 @@ def resume_body(
     return _tagged({"handle": _handle_ref(handle), "suffix": _context(suffix, "suffix"), **_sampling(sampling)}, agent)
 
 
-def complete_body(prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None) -> dict[str, Any]:
-    return _tagged({"prompt": _context(prompt, "prompt"), **_sampling(sampling)}, agent)
+def complete_body(
+    prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None, reuse: str | None = None,
+) -> dict[str, Any]:
+    return _with_reuse(_tagged({"prompt": _context(prompt, "prompt"), **_sampling(sampling)}, agent), reuse)
 
 
 def generate_body(
     messages: Messages, *, handle: HandleLike | None = None, sampling: SamplingParams | None = None,
-    tools: list[dict[str, Any]] | None = None, agent: str | None = None,
+    tools: list[dict[str, Any]] | None = None, agent: str | None = None, reuse: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"messages": _messages(messages), **_sampling(sampling)}
     if handle is not None:
         body["handle"] = _handle_ref(handle)
     if tools is not None:
         body["tools"] = tools
-    return _tagged(body, agent)
+    return _with_reuse(_tagged(body, agent), reuse)
 
 
 def compose_body(

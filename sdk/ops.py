@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .capabilities import Capabilities
     from .stepgraph import StepGraph
     from .stream import TokenStream
-    from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, SamplingParams, Stats
+    from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, Reuse, SamplingParams, Stats
 
 HandleLike = Handle | str
 Context = str | Sequence[int]
@@ -58,21 +58,23 @@ class KVOps(Protocol):
     ) -> TokenStream: ...
 
     def complete(
-        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
+        reuse: Reuse | None = None,
     ) -> Result: ...
 
     def complete_stream(
-        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
+        reuse: Reuse | None = None,
     ) -> TokenStream: ...
 
     def generate(
         self, messages: Messages, *, handle: HandleLike | None = None, sampling: SamplingParams | None = None,
-        tools: list[dict[str, Any]] | None = None, agent: str | None = None,
+        tools: list[dict[str, Any]] | None = None, agent: str | None = None, reuse: Reuse | None = None,
     ) -> Result: ...
 
     def generate_stream(
         self, messages: Messages, *, handle: HandleLike | None = None, sampling: SamplingParams | None = None,
-        tools: list[dict[str, Any]] | None = None, agent: str | None = None,
+        tools: list[dict[str, Any]] | None = None, agent: str | None = None, reuse: Reuse | None = None,
     ) -> TokenStream: ...
 
     def compose(
@@ -136,6 +138,14 @@ OPERATORS: frozenset[str] = frozenset(
     name for name in vars(KVOps) if not name.startswith("_") and callable(getattr(KVOps, name))
 ) - {"close"}
 STREAM_OPERATORS: frozenset[str] = frozenset(name for name in OPERATORS if name.endswith("_stream"))
+
+
+def check_reuse(reuse: str | None) -> None:
+    """A reuse policy is ``None`` (the engine's default) or one of :data:`kvbaton.types.REUSE_POLICIES`."""
+    from .types import REUSE_POLICIES
+
+    if reuse is not None and reuse not in REUSE_POLICIES:
+        raise InvalidRequest(f"reuse must be one of {', '.join(map(repr, REUSE_POLICIES))}, got {reuse!r}")
 
 
 def check_agent(agent: str | None) -> None:

@@ -14,6 +14,19 @@ from .handle import Handle
 
 MAX_STOP_STRINGS = 16
 
+Reuse = Literal["exact", "auto", "rotate"]
+"""How a request may reuse K/V that another context computed (docs/segments.md, "Automatic reuse"):
+
+- ``"exact"``: only what is token-identical to dense prefill: the longest common prefix with the
+  request's handle or the prefix cache. Greedy output is identical to dense prefill.
+- ``"auto"``: also known spans of other agents' prompts behind a different prefix (a shared document
+  behind another system prompt): re-aligned to the new positions, their most-deviating tokens
+  recomputed (selective recomputation), and recomputed densely when the answer looks unsure. The
+  result is marked approximate.
+- ``"rotate"``: re-align such spans without any correction (fastest, least faithful; marked).
+"""
+REUSE_POLICIES: tuple[str, ...] = ("exact", "auto", "rotate")
+
 
 class SamplingParams(BaseModel):
     """How to pick tokens. ``temperature=0`` (the default) is greedy decoding."""
@@ -62,6 +75,11 @@ class Timings(BaseModel):
     tokens_reused: int = Field(description="Prompt tokens whose KV came from a handle or the prefix cache.")
     tokens_prefilled: int = Field(description="Prompt tokens computed by this request.")
     tokens_generated: int
+    tokens_approximate: int = Field(
+        default=0,
+        description="Of ``tokens_reused``, the prompt tokens whose K/V were re-aligned (and corrected) from another "
+        "context rather than token-identical to dense prefill (``reuse='auto'`` or ``'rotate'``).",
+    )
 
 
 FinishReason = Literal["stop", "length"]
@@ -75,6 +93,15 @@ class Result(BaseModel):
     handle: Handle = Field(description="KV of prompt + generated tokens, ready to resume.")
     finish_reason: FinishReason
     timings: Timings
+    exact: bool = Field(
+        default=True,
+        description="True when every prompt token's K/V equals dense prefill's (greedy output is then identical to "
+        "dense prefill); False when the request reused approximate K/V (``reuse='auto'`` / ``'rotate'``).",
+    )
+    segments: list[SegmentReport] = Field(
+        default_factory=list,
+        description="Spans of other contexts this request placed behind its own prefix, and what was done with each.",
+    )
 
 
 class StreamChunk(BaseModel):
@@ -202,13 +229,24 @@ class SegmentReport(BaseModel):
     start: int = Field(description="First token of the segment in its source handle.")
     end: int
     offset: int = Field(description="Position of the segment's first token in the composed prompt.")
-    outcome: Literal["exact", "rotated", "corrected", "recomputed"] = Field(
+    outcome: Literal["exact", "rotated", "corrected", "blended", "recomputed"] = Field(
         description="exact: same tokens before it, KV reused as is; rotated: keys re-aligned to the new "
         "positions, no correction; corrected: re-aligned plus a low-rank estimate of the context deviation; "
-        "recomputed: prefilled densely behind the new prefix."
+        "blended: re-aligned, then its most-deviating tokens recomputed behind the new prefix (selective "
+        "recomputation); recomputed: prefilled densely behind the new prefix."
     )
     reason: str
     tokens_reused: int = Field(description="Tokens whose K/V came from the source instead of a prefill.")
+    tokens_cached: int = Field(
+        default=0,
+        description="Leading tokens of the segment already found exactly in the prefix cache (or the request's "
+        "handle): only the rest was placed.",
+    )
+    exact: bool = Field(
+        default=True,
+        description="False when this segment's K/V differ from dense prefill of the whole prompt: approximated "
+        "(rotated, corrected, blended), or computed behind approximate K/V earlier in the prompt.",
+    )
     anchors: int = Field(default=0, description="Anchors in the slot's pool when the decision was made.")
     entropy: float | None = Field(default=None, description="Normalized entropy of the anchor weights.")
 
@@ -244,3 +282,6 @@ class Fidelity(BaseModel):
     kl_first: float = Field(description="KL of the first next-token distribution (nats).")
     dense_token_ids: list[int]
     handle_token_ids: list[int]
+
+
+Result.model_rebuild()

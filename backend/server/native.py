@@ -172,7 +172,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
     async def complete(body: p.CompleteRequest, request: Request) -> Any:
         return await generation(
             "/v1/kv/complete", request, body, body.agent, [],
-            lambda agent, params: engine.complete_stream(body.prompt, params, agent=agent),
+            lambda agent, params: engine.complete_stream(body.prompt, params, agent=agent, reuse=body.reuse),
         )
 
     @app.post("/v1/kv/generate", response_model=Result, **{**kv, "responses": STREAM_RESPONSES})
@@ -180,7 +180,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
         return await generation(
             "/v1/kv/generate", request, body, body.agent, [body.handle],
             lambda agent, params: template_errors(lambda: engine.generate_stream(
-                body.messages, handle=body.handle, tools=body.tools, sampling=params, agent=agent
+                body.messages, handle=body.handle, tools=body.tools, sampling=params, agent=agent, reuse=body.reuse,
             )),
         )
 

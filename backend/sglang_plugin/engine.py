@@ -29,13 +29,14 @@ from typing import Any
 from kvbaton.capabilities import SGLANG, Capabilities
 from kvbaton.errors import InvalidRequest, MergeConflict, ModelNotFound
 from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, Segment, common_prefix_length, new_handle_id
-from kvbaton.ops import check_agent, ste_map
+from kvbaton.ops import check_agent, check_reuse, ste_map
 from kvbaton.stream import TokenStream
 from kvbaton.types import (
     AgentInfo,
     ChatMessage,
     Composition,
     Result,
+    Reuse,
     SamplingParams,
     SegmentReport,
     Stats,
@@ -355,24 +356,30 @@ class SglangEngine:
         return self._stream(tokens, parent.lineage + (step,), sampling or SamplingParams(), agent,
                             reusable=len(parent.token_ids))
 
+    # ``reuse``: SGLang reuses common prefixes only, so every policy is served exactly (and marked exact).
     def complete(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, *,
-                 agent: str | None = None) -> Result:
-        return self.complete_stream(prompt, sampling, agent=agent).until_done()
+                 agent: str | None = None, reuse: Reuse | None = None) -> Result:
+        return self.complete_stream(prompt, sampling, agent=agent, reuse=reuse).until_done()
 
     def complete_stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, *,
-                        agent: str | None = None) -> TokenStream:
+                        agent: str | None = None, reuse: Reuse | None = None) -> TokenStream:
+        check_reuse(reuse)
         tokens = self._tokens(prompt, "prompt")
         step = LineageStep(op=Op.GENERATE, token_ids=tuple(tokens))
         return self._stream(tokens, (step,), sampling or SamplingParams(), agent, reusable=0)
 
     def generate(self, messages: Sequence[ChatMessage | dict[str, Any]], *, handle: Handle | str | None = None,
                  sampling: SamplingParams | None = None, tools: list[dict[str, Any]] | None = None,
-                 agent: str | None = None) -> Result:
-        return self.generate_stream(messages, handle=handle, sampling=sampling, tools=tools, agent=agent).until_done()
+                 agent: str | None = None, reuse: Reuse | None = None) -> Result:
+        return self.generate_stream(
+            messages, handle=handle, sampling=sampling, tools=tools, agent=agent, reuse=reuse
+        ).until_done()
 
     def generate_stream(self, messages: Sequence[ChatMessage | dict[str, Any]], *,
                         handle: Handle | str | None = None, sampling: SamplingParams | None = None,
-                        tools: list[dict[str, Any]] | None = None, agent: str | None = None) -> TokenStream:
+                        tools: list[dict[str, Any]] | None = None, agent: str | None = None,
+                        reuse: Reuse | None = None) -> TokenStream:
+        check_reuse(reuse)
         prompt = self.chat_tokens(messages, tools=tools)
         if handle is None:
             lineage: tuple[LineageStep, ...] = (LineageStep(op=Op.GENERATE, token_ids=tuple(prompt)),)
