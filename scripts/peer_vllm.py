@@ -84,7 +84,7 @@ def vllm_checkpoint(src: Path, root: Path) -> Path:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), "pt") as st:
-            tensors.update({k: st.get_tensor(k) for k in st.keys()})
+            tensors.update({k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118 - a safetensors handle, not a dict)
     if "model.embed_tokens.weight" not in tensors:
         tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -109,8 +109,8 @@ def kvbaton_python() -> str:
 
 def git_short() -> str:
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"], capture_output=True,
-                             text=True, timeout=20)
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"], check=False,
+                             capture_output=True, text=True, timeout=20)
         return out.stdout.strip() or "nogit"
     except (OSError, subprocess.TimeoutExpired):
         return "nogit"
@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/peer_vllm.sh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="timed cold runs of the debate (default 3)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per turn (default: the workload's 32)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="greedy tokens per turn (default: the workload's 32)")
     parser.add_argument("--seed", type=int, default=0, help="document seed of the debate (default 0)")
     parser.add_argument("--with-kvbaton", action="store_true",
                         help="alternate every vLLM repeat with one of kvbaton's exact and auto variants")
@@ -259,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "model_dir": source_dir, "vllm_model_dir": model_dir, "kvbaton_model": kv["kvbaton_model"], "dtype": "float32",
         "startup_s": startup_s, "same_prompt_ids_as_kvbaton": template_ok,
         "document_tokens": len(peer.tokenizer.encode(debate.document, add_special_tokens=False)),
-        "vllm_seconds": [r["seconds"] for r in vllm_runs], "vllm_end_to_end_s": spread([r["seconds"] for r in vllm_runs]),
+        "vllm_seconds": [r["seconds"] for r in vllm_runs],
+        "vllm_end_to_end_s": spread([r["seconds"] for r in vllm_runs]),
         "vllm_prompt_tokens": prompt, "vllm_cached_tokens": cached,
         "vllm_cached_share": cached / prompt if prompt else None, "vllm_turns": turns,
     }

@@ -3,7 +3,9 @@
 Every agent puts its own persona (system prompt) first and the shared document after it
 (:mod:`kvbaton.bench.workloads`: ``debate``, ``chain``, ``fanout``), so exact prefix reuse finds an
 agent's own earlier turns but never another agent's reading of the document; approximate reuse
-(``reuse="auto"`` / ``"rotate"``) may re-align and correct it from another agent's cache.
+(``reuse="auto"`` / ``"rotate"``) may place it from another agent's cache, re-aligned to the new
+positions (``auto`` also recomputes its most-deviating tokens, or everything when the answer looks
+unsure; ``rotate`` does no correction).
 
 Variants, each on the embedded engine, side by side (``alternating`` repeats), per dtype:
 
@@ -59,7 +61,7 @@ VARIANTS = ("exact", "auto", "rotate", "text")
 APPROXIMATE = ("auto", "rotate")
 LABELS = {
     "exact": "exact reuse (prefix cache)",
-    "auto": "reuse='auto' (re-align + correct)",
+    "auto": "reuse='auto' (re-align, recompute the most-deviating tokens)",
     "rotate": "reuse='rotate' (re-align only)",
     "text": "text replay (no prefix cache)",
 }
@@ -348,8 +350,8 @@ def table(payload: dict[str, Any]) -> str:
                      _pct(tf["first_token"]) if tf else "-", _pct(tf["prefix"]) if tf else "-",
                      f"{tf['turns']} ({tf['turns_approximated']} approx.)" if tf else "-",
                      _pct(r["free_running"]["same_text"]) if r["variant"] != "exact" else "-"])
-    parts = [format_table(columns, rows), "", "Prompt tokens per agent, reused exactly / approximately / prefilled "
-             "(first repeat):", "", agent_table(payload)]
+    title = "Prompt tokens per agent, reused exactly / approximately / prefilled (first repeat):"
+    parts = [format_table(columns, rows), "", title, "", agent_table(payload)]
     return "\n".join(parts)
 
 
@@ -402,7 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="variants to run (exact always runs: it is the fidelity reference)")
     parser.add_argument("--repeats", type=int, default=None,
-                        help=f"timed repetitions of every variant, alternating (default {DEFAULT_REPEATS}; 1 with --quick)")
+                        help=f"timed repetitions of every variant, alternating (default {DEFAULT_REPEATS}; "
+                             "1 with --quick)")
     parser.add_argument("--tf-passes", type=int, default=None,
                         help=f"teacher-forced passes of each approximate variant, pass p on documents of seed p "
                              f"(default {DEFAULT_TF_PASSES}: 63 reusing-agent turns; 1 with --quick; 0: none)")
