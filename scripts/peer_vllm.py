@@ -84,7 +84,7 @@ def vllm_checkpoint(src: Path, root: Path) -> Path:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), "pt") as st:
-            tensors.update({k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118 - a safetensors handle, not a dict)
+            tensors.update({k: st.get_tensor(k) for k in st.keys()})  # noqa: SIM118 - a safetensors handle, not a dict
     if "model.embed_tokens.weight" not in tensors:
         tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
