@@ -154,9 +154,27 @@ def _correction(rec: Record) -> tuple[str, list[Target]]:
     return text, found
 
 
+def _agents(rec: Record) -> tuple[str, list[Target]]:
+    parts = []
+    for dtype in rec.get("dtypes") or sorted({r["dtype"] for r in rec["rows"]}):
+        rows = [r for r in rec["rows"] if r["dtype"] == dtype]
+        fast = [f"{r['variant']} {_x(r['speedup_vs_text'])}" for r in rows
+                if r["variant"] != "text" and r.get("speedup_vs_text")]
+        text = f"{dtype}: end-to-end vs text replay " + ", ".join(fast)
+        tf = [f"{r['variant']} {_pct(r['teacher_forced']['first_token'])} over {r['teacher_forced']['turns']} turns"
+              for r in rows if r.get("teacher_forced")]
+        if tf:
+            text += "; teacher-forced first-token agreement " + ", ".join(tf)
+        parts.append(text)
+    if rec.get("skipped_variants"):
+        parts.append("not run: " + ", ".join(rec["skipped_variants"]) + " (no reuse= keyword)")
+    return "; ".join(parts), []
+
+
 HEADLINES: dict[str, Callable[[Record], tuple[str, list[Target]]]] = {
     "ttft": _ttft, "scaling": _scaling, "transfer": _transfer, "branching": _branching, "serve": _serve,
     "engine": _engine, "adapter_overhead": _adapter_overhead, "workflow": _workflow, "correction": _correction,
+    "agents": _agents,
 }
 
 

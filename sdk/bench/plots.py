@@ -216,6 +216,62 @@ def _correction(payload: dict[str, Any], fig: Figure) -> None:
     right.set_title("... and fidelity")
 
 
+def _agents(payload: dict[str, Any], fig: Figure) -> None:
+    rows = payload["rows"]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    by = {(r["dtype"], r["variant"]): r for r in rows}
+    left, middle, right = fig.add_subplot(1, 3, 1), fig.add_subplot(1, 3, 2), fig.add_subplot(1, 3, 3)
+    width = 0.8 / max(len(dtypes), 1)
+    for i, dtype in enumerate(dtypes):
+        mine = [by[(dtype, v)] for v in variants if (dtype, v) in by]
+        values, err = _spread(mine, "end_to_end_s")
+        xs = [variants.index(r["variant"]) + (i - (len(dtypes) - 1) / 2) * width for r in mine]
+        left.bar(xs, values, width, yerr=err, capsize=3, label=dtype, zorder=2)
+    left.set_xticks(range(len(variants)), variants)
+    left.set_ylabel("end-to-end, all workloads (median, bars: min–max)")
+    _unit_axis(left.yaxis, "s", log=False)
+    left.grid(True, axis="y", alpha=0.3, zorder=0)
+    left.legend(fontsize=8)
+    left.set_title("Persona-first workloads: time")
+    labels = [f"{v}\n{d}" for d in dtypes for v in variants if (d, v) in by]
+    cells = [by[(d, v)] for d in dtypes for v in variants if (d, v) in by]
+    bottom = [0.0] * len(cells)
+    for key, label in (("reused_exact_share", "reused exactly"), ("reused_approx_share", "reused approximately"),
+                       ("prefilled_share", "prefilled")):
+        heights = [100 * r["shares"][key] for r in cells]
+        middle.bar(range(len(cells)), heights, 0.7, bottom=bottom, label=label, zorder=2)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    middle.set_xticks(range(len(cells)), labels, fontsize=7)
+    middle.set_ylabel("share of prompt tokens (first repeat)")
+    middle.set_ylim(0, 125)  # room for the legend above the 100 % stacks
+    middle.set_yticks(range(0, 101, 20))
+    _unit_axis(middle.yaxis, "%", log=False)
+    middle.legend(fontsize=7, loc="upper center", ncol=3)
+    middle.set_title("Where prompt K/V came from")
+    forced = [r for r in cells if r.get("teacher_forced")]
+    if forced:
+        width = 0.27
+        for j, (key, label) in enumerate((("first_token", "first token (teacher-forced)"),
+                                          ("prefix", "greedy prefix (teacher-forced)"))):
+            right.bar([i + (j - 1) * width for i in range(len(forced))],
+                      [100 * r["teacher_forced"][key] for r in forced], width, label=label, zorder=2)
+        right.bar([i + width for i in range(len(forced))], [100 * r["free_running"]["same_text"] for r in forced],
+                  width, label="same text (free-running)", zorder=2)
+        right.set_xticks(range(len(forced)),
+                         [f"{r['variant']}\n{r['dtype']}\n{r['teacher_forced']['turns']} turns" for r in forced],
+                         fontsize=7)
+        right.legend(fontsize=7, loc="upper center", ncol=2)
+    else:
+        right.text(0.5, 0.5, "no approximate variant in this run", ha="center", va="center", fontsize=8)
+        right.set_xticks([])
+    right.set_ylim(0, 125)
+    right.set_yticks(range(0, 101, 20))
+    right.set_ylabel("agreement with the exact variant")
+    _unit_axis(right.yaxis, "%", log=False)
+    right.set_title("Fidelity of approximate reuse")
+
+
 def _numeric(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -252,6 +308,7 @@ PLOTTERS: dict[str, Callable[[dict[str, Any], Figure], None]] = {
     "engine": _engine,
     "transfer": _transfer,
     "correction": _correction,
+    "agents": _agents,
 }
 
 
@@ -259,7 +316,7 @@ def plot(payload: dict[str, Any], path: str | Path) -> Path:
     """Draw ``payload`` (a benchmark's JSON) to the PNG ``path``."""
     name = str(payload.get("benchmark", ""))
     wide = name in ("scaling", "serve", "transfer", "correction", "workflow")
-    fig = plt.figure(figsize=(11 if wide else 7, 4.5))
+    fig = plt.figure(figsize=(15 if name == "agents" else 11 if wide else 7, 4.5))
     try:
         PLOTTERS.get(name, _generic)(payload, fig)
         machine = payload.get("machine") or {}

@@ -46,6 +46,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "ttft": ("kvbaton.bench.ttft", "table"),
     "workflow": ("kvbaton.bench.workflow", "table"),
     "correction": ("kvbaton.bench.correction", "table"),
+    "agents": ("kvbaton.bench.agents", "table"),
     "scaling": ("kvbaton.bench.scaling", "table"),
     "branching": ("kvbaton.bench.branching", "table"),
     "transfer": ("kvbaton.bench.transfer", "table"),
@@ -163,6 +164,7 @@ EXPERIMENTS = [
     ("(3) transfer vs recompute crossover", "transfer"), ("(4) peak KV vs branch factor", "branching"),
     ("(5) serving throughput", "serve"), ("(5) engine speed", "engine"), ("(5) framework overhead", "adapter_overhead"),
     ("workflow-aware cache", "workflow"), ("shared segments", "correction"),
+    ("persona-first multi-agent reuse", "agents"),
 ]
 
 

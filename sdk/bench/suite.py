@@ -44,6 +44,7 @@ QUICK: dict[str, list[str]] = {
     "transfer": ["--lengths", "128", "256", "--ks", "1", "2", "--context", "128", "--max-tokens", "2",
                  "--suffix", "8", "--repeats", "1"],
     "correction": ["--lengths", "128", "--trajectories", "2", "--greedy-tokens", "4"],
+    "agents": ["--quick", "--dtypes", "float32"],
     "workflow": ["--rounds", "2", "--fixed-min", "64", "--fixed-max", "96", "--suffix-tokens", "8",
                  "--max-tokens", "2"],
 }
