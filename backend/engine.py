@@ -32,6 +32,7 @@ from kvbaton.stream import TokenStream
 from kvbaton.types import AgentInfo, Composition, Fidelity, Result, Reuse, SamplingParams, SegmentReport, Stats
 
 from .attention import ATTN_IMPLEMENTATION
+from .audit import FidelityAudit
 from .block_pool import BlockPool, PoolShape, blocks_for_budget
 from .compose import Composer, correction_config, top2_margin
 from .correction import AnchorPool, CorrectionConfig
@@ -58,6 +59,7 @@ DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_BATCH_TOKENS = 2048  # per forward, as vLLM's and SGLang's default step budgets
 DEFAULT_LOOKAHEAD = 2
 MAX_FORK = 1024
+DEFAULT_AUDIT_FRACTION = 0.05  # every 20th approximate answer is checked against dense prefill
 
 HandleLike = Handle | str
 
@@ -84,6 +86,7 @@ class Engine:
         correction: CorrectionConfig | Mapping[str, Any] | None = None,
         fast_decode: bool = True,
         reuse: Reuse = "exact",
+        audit_fraction: float = DEFAULT_AUDIT_FRACTION,
     ) -> None:
         check_reuse(reuse)
         self.reuse: Reuse = reuse
@@ -139,6 +142,12 @@ class Engine:
         self.spans = SpanIndex(live=self.handles.find)
         self.requests.on_register = self._index
         self.requests.on_drop = self.spans.remove
+        if not 0 <= audit_fraction <= 1:
+            raise InvalidRequest(f"audit_fraction must be in [0, 1], got {audit_fraction!r}")
+        # The audit thread must not keep an unclosed engine alive: it holds a proxy, and is stopped
+        # when the engine is collected.
+        self.audit = FidelityAudit(functools.partial(Engine._dense_argmax, weakref.proxy(self)), audit_fraction)
+        weakref.finalize(self, self.audit.close)
         # A proxy: the composer calls the public operators without keeping the engine alive.
         self.composer = Composer(
             self.kv, self.handles, self.requests, self.inputs, self.shifter, weakref.proxy(self), self.correction,
@@ -283,14 +292,23 @@ class Engine:
             logits = self.requests.compute(state)
             approximated = [r.offset + r.tokens_cached for r in reports if r.outcome in ("rotated", "blended")]
             if approximated and policy == "auto":
-                margin, threshold = top2_margin(logits), self.correction.blend_min_margin
+                margin = top2_margin(logits)
+                threshold = self.audit.margin_for(state.agent, self.correction.blend_min_margin)
                 if margin < threshold:
                     reports = self.composer.recompute_unsure(state, reports, margin, threshold, min(approximated))
                     assert state.last_logits is not None
                     logits = state.last_logits
+            if state.exact_len is not None:  # answered from approximate K/V: maybe checked, in the background
+                self.audit.submit(state.agent, state.token_ids, int(logits.argmax()))
             return logits, reports
         finally:
             self.kv.unpin(pinned)
+
+    def _dense_argmax(self, prompt: list[int]) -> int:
+        """The next-token argmax after ``prompt`` on the exact path (the fidelity audit's reference)."""
+        result = self.complete(prompt, SamplingParams(max_tokens=1), reuse="exact")
+        self.release(result.handle)
+        return result.token_ids[0]
 
     def _index(self, state: KVState) -> None:
         """A new live state's spans become sources for other requests of its scope (lock held)."""
@@ -311,7 +329,8 @@ class Engine:
 
     def stats(self) -> Stats:
         with self._lock:
-            return engine_stats(self.loaded, self.kv, self.requests.counters, len(self.handles), self._ste)
+            stats = engine_stats(self.loaded, self.kv, self.requests.counters, len(self.handles), self._ste)
+        return stats.model_copy(update={"audit": self.audit.stats()})
 
     def _behind(self, handle: HandleLike, tokens: list[int], op: Op, max_new_tokens: int = 0) -> KVState:
         """A new state: ``handle``'s tokens (their K/V shared) followed by ``tokens``."""
@@ -477,5 +496,6 @@ class Engine:
                 self.kv.drop(state)
                 self.handles.discard(state.id)
             self.spans.clear()
+        self.audit.close()
         self.composer.close()
         self.scheduler.close()

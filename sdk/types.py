@@ -195,6 +195,28 @@ class ClusterStats(BaseModel):
     decisions: list[PlacementDecision] = Field(default_factory=list, description="The most recent decisions.")
 
 
+class AuditAgentStats(BaseModel):
+    """The sampled fidelity check of one agent's approximate answers."""
+
+    checked: int
+    agreed: int = Field(description="Checks whose next-token argmax equalled dense prefill's.")
+    gate_raised: float = Field(
+        description="Multiplier of the confidence-gate margin for this agent (1: as configured; doubled each "
+        "time its agreement is measured below the target)."
+    )
+
+
+class AuditStats(BaseModel):
+    """Sampled online check of approximate answers against dense prefill (off the request path)."""
+
+    fraction: float = Field(description="Share of approximate requests checked (every 1/fraction-th).")
+    target: float = Field(description="First-token agreement below which an agent's gate is raised.")
+    checked: int
+    agreed: int
+    dropped: int = Field(description="Checks skipped because the check queue was full.")
+    agents: dict[str, AuditAgentStats] = Field(default_factory=dict)
+
+
 class Stats(BaseModel):
     """Pool and reuse counters of one engine."""
 
@@ -220,6 +242,9 @@ class Stats(BaseModel):
         default=0, description="Of tokens_reused, those re-aligned from another context (reuse='auto'/'rotate')."
     )
     cache: CacheStats | None = None
+    audit: AuditStats | None = Field(
+        default=None, description="The sampled fidelity check of approximate answers (engines that approximate)."
+    )
     agents: dict[str, AgentStats] = Field(default_factory=dict)
     cluster: ClusterStats | None = Field(default=None, description="Multi-device servers only: per-worker view.")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import kvbaton
 import pytest
 from conftest import dense_greedy
+from kvbaton.backend.audit import FidelityAudit
 from kvbaton.backend.spans import MIN_SPAN, SpanIndex
 from kvbaton.bench.corpus import document
 from kvbaton.errors import InvalidRequest
@@ -189,3 +190,41 @@ def test_reuse_policy_is_validated(engine):
     with pytest.raises(InvalidRequest):
         kvbaton.backend.Engine(reuse="always")
     assert MIN_SPAN >= 16
+
+
+def test_sampled_audit_checks_approximate_answers_against_dense(engine, doc):
+    engine.audit.close()
+    engine.audit = FidelityAudit(engine._dense_argmax, fraction=1.0)
+    engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
+    for persona in ("You are a strict reviewer.", "You are a kind reviewer."):
+        result = engine.generate(chat(persona, doc, "Risk?"), sampling=GREEDY, agent="reviewer", reuse="rotate")
+        assert not result.exact
+    exact = engine.generate(chat(REVIEWER, doc, "Deadline?"), sampling=GREEDY, agent="reviewer")
+    assert exact.exact  # exact answers are never audited
+    engine.audit.flush()
+    audit = engine.stats().audit
+    assert audit.checked == 2 and audit.agents["reviewer"].checked == 2 and 0 <= audit.agreed <= 2
+
+
+@pytest.mark.unit
+def test_audit_raises_the_gate_of_an_agent_that_disagrees_and_stays_bounded():
+    audit = FidelityAudit(lambda prompt: 0, fraction=1.0, min_checks=2)
+    for i in range(4):
+        audit.submit("critic", [1, 2, 3], approximate_argmax=1)  # dense says 0: every check disagrees
+        audit.submit("judge", [1, 2, 3], approximate_argmax=0)
+        audit.flush()
+    stats = audit.stats()
+    assert stats.checked == 8 and stats.agreed == 4
+    assert audit.margin_for("critic", 0.25) > 0.25 and audit.margin_for("judge", 0.25) == 0.25
+    assert stats.agents["critic"].gate_raised >= 2
+    audit.close()
+    audit.submit("critic", [1], approximate_argmax=1)  # after close: ignored, no thread
+    off = FidelityAudit(lambda prompt: 0, fraction=0.0)
+    off.submit("a", [1], 0)
+    assert off.stats().checked == 0
+    sampled = FidelityAudit(lambda prompt: 0, fraction=0.25)
+    for _ in range(8):
+        sampled.submit("a", [1], 0)
+    sampled.flush()
+    assert sampled.stats().checked == 2  # every fourth
+    sampled.close()
