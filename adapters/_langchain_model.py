@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 from kvbaton.client import AsyncClient, Client
 from kvbaton.handle import Handle
@@ -45,6 +45,7 @@ from .core import (
     rank_for_prompt,
     register_fixed_prompt,
     render_tool_calls,
+    reuse_report,
     run_with_handle,
     sync_client,
     tool_result,
@@ -147,7 +148,10 @@ class KvbatonChatModel(BaseChatModel):
     - registers each agent's fixed prompt (leading system messages) on its first call;
     - puts ``{"handle": ..., "agent": ...}`` on every AIMessage's ``additional_kwargs["kvbaton"]``
       and passes the best handle found on the prompt's messages (``pass_handles=False`` disables it);
-    - ``usage_metadata.input_token_details.cache_read`` = prompt tokens whose KV was reused.
+    - reuses, by default (``reuse="auto"``), also spans other agents computed behind their own
+      system prompt; ``response_metadata["kvbaton"]`` says how each reply was served (``exact``,
+      tokens reused / approximate / prefilled, the spans placed);
+    - ``usage_metadata.input_token_details.cache_read`` = prompt tokens whose KV was reused exactly.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -162,6 +166,13 @@ class KvbatonChatModel(BaseChatModel):
     agent: str | None = Field(default=None, description="Fixed agent name; default: the LangGraph node.")
     pass_handles: bool = True
     register_agents: bool = True
+    reuse: Literal["exact", "auto", "rotate"] | None = Field(
+        default="auto",
+        description="Reuse policy of each call (kvbaton.types.Reuse): 'auto' (default) also reuses spans other "
+        "agents computed behind their own system prompt, approximately, and marks such replies "
+        "(response_metadata['kvbaton']['exact'] is False); 'exact' keeps greedy output identical to dense prefill; "
+        "None: the engine's or server's default. A call may override it (invoke(..., reuse='exact')).",
+    )
     model_name: str = "kvbaton"
 
     @property
@@ -170,7 +181,8 @@ class KvbatonChatModel(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "max_tokens": self.max_tokens, "temperature": self.temperature}
+        return {"model_name": self.model_name, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "reuse": self.reuse}
 
     # -- tools ------------------------------------------------------------------------------------
 
@@ -212,7 +224,7 @@ class KvbatonChatModel(BaseChatModel):
         candidates = [h for m in messages if (h := _handle_data(m)) is not None] if self.pass_handles else []
         return {"chat": with_tool_prompt(to_chat(messages), tools), "candidates": candidates,
                 "agent": self.agent or agent_from_metadata(metadata), "tool_names": names, "forced": forced,
-                "sampling": self._sampling(stop, kwargs)}
+                "sampling": self._sampling(stop, kwargs), "reuse": kwargs.get("reuse", self.reuse)}
 
     def _message(self, req: dict[str, Any], result: Any, chunk: bool = False) -> AIMessage:
         text = result.text
@@ -225,14 +237,16 @@ class KvbatonChatModel(BaseChatModel):
         kv: dict[str, Any] = {"handle": result.handle.model_dump(mode="json")}
         if req["agent"]:
             kv["agent"] = req["agent"]
+        report = reuse_report(result)
         usage = {
             "input_tokens": prompt_tokens,
             "output_tokens": timings.tokens_generated,
             "total_tokens": prompt_tokens + timings.tokens_generated,
-            "input_token_details": {"cache_read": timings.tokens_reused},
+            # exact reuse only, as the server's OpenAI cached_tokens
+            "input_token_details": {"cache_read": timings.tokens_reused - report["tokens_approximate"]},
         }
         meta = {"model_name": self.model_name, "finish_reason": result.finish_reason,
-                "kvbaton_timings": timings.model_dump()}
+                "kvbaton_timings": timings.model_dump(), KVBATON_KEY: report}
         if chunk:
             return AIMessageChunk(  # type: ignore[return-value]
                 content=text, additional_kwargs={KVBATON_KEY: kv}, response_metadata=meta, usage_metadata=usage,
@@ -266,7 +280,7 @@ class KvbatonChatModel(BaseChatModel):
             register_fixed_prompt(client, req["agent"], req["chat"])
         ranked = rank_for_prompt(client, req["candidates"], req["chat"]) if req["candidates"] else []
         return run_with_handle(client, method, req["chat"], _first_valid(ranked), agent=req["agent"],
-                               **req["sampling"])
+                               reuse=req["reuse"], **req["sampling"])
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
@@ -301,7 +315,7 @@ class KvbatonChatModel(BaseChatModel):
             await aregister_fixed_prompt(client, req["agent"], req["chat"])
         ranked = await arank_for_prompt(client, req["candidates"], req["chat"]) if req["candidates"] else []
         return await arun_with_handle(client, method, req["chat"], _first_valid(ranked), agent=req["agent"],
-                                      **req["sampling"])
+                                      reuse=req["reuse"], **req["sampling"])
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:

@@ -8,8 +8,12 @@ Inside a run of a graph wrapped with ``wrap(app, base_url=...)``:
 - requests to ``https://api.openai.com/v1`` are redirected to ``base_url`` (``redirect_openai``), so an
   app that never set a base URL reaches the kvbaton server too; with ``token`` their
   ``Authorization`` becomes the kvbaton token;
+- with ``wrap(..., reuse=...)`` the requests carry ``X-Kvbaton-Reuse`` (else the server's ``--reuse``
+  decides);
 - the handle id the server returns (``X-Kvbaton-Handle``) is put on the AIMessage as
-  ``additional_kwargs["kvbaton"] = {"handle": {"id": ...}, "agent": ...}``.
+  ``additional_kwargs["kvbaton"] = {"handle": {"id": ...}, "agent": ...}``, and whether the answer is
+  exact (``X-Kvbaton-Approximate``) as ``response_metadata["kvbaton"] = {"exact": ...}`` (whole
+  answers; a stream's headers come before it is known).
 
 The patch is process-wide but inert outside wrapped runs with a ``base_url`` (it checks a ContextVar
 first), and other hosts are never touched. The server reuses each agent's latest handle by itself;
@@ -34,6 +38,7 @@ OPENAI_BASE = "https://api.openai.com/v1"
 class CallTag:
     agent: str | None
     handle: str | None = None
+    exact: bool | None = None  # from X-Kvbaton-Approximate (whole answers); None: not known (a stream)
 
 
 CURRENT_CALL: ContextVar[CallTag | None] = ContextVar("kvbaton_openai_call", default=None)
@@ -60,6 +65,9 @@ def _target(request: Any) -> tuple[Any, CallTag | None] | None:
     tag = CURRENT_CALL.get()
     if tag is not None and tag.agent:
         request.headers["x-kvbaton-agent"] = tag.agent
+    reuse = getattr(wrapper, "reuse", None)
+    if reuse and "x-kvbaton-reuse" not in request.headers:
+        request.headers["x-kvbaton-reuse"] = reuse
     return wrapper, tag
 
 
@@ -68,6 +76,8 @@ def _after(found: tuple[Any, CallTag | None] | None, response: Any) -> None:
         handle = response.headers.get("x-kvbaton-handle")
         if handle:
             found[1].handle = handle
+        if response.status_code == 200 and not response.headers.get("content-type", "").startswith("text/event-stream"):
+            found[1].exact = response.headers.get("x-kvbaton-approximate", "").lower() != "true"
 
 
 def _patch(module: Any) -> None:

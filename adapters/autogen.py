@@ -4,7 +4,8 @@
 :class:`KvbatonChatCompletionClient` tagged with the agent's name, registers the agent's system
 message as its fixed prompt, extracts the team's Agent Step Graph (GraphFlow, RoundRobinGroupChat,
 SelectorGroupChat, Swarm), sends steps-to-execution hints before every turn, and stamps each reply's
-``metadata["kvbaton_handle"]``. ``@agent`` does the same for an AssistantAgent factory.
+``metadata["kvbaton_handle"]`` (and ``kvbaton_exact``: ``"false"`` for a reply served from
+approximately reused K/V, see ``KvbatonChatCompletionClient(reuse=...)``). ``@agent`` does the same for an AssistantAgent factory.
 
 The hints go out through :class:`kvbaton.adapters.core.HintSender`, shared with the LangGraph adapter.
 
@@ -36,6 +37,7 @@ from .autogen_client import (
     HandleTable,
     KvbatonChatCompletionClient,
     KvbatonChatCompletionClientConfig,
+    KvbatonCreateResult,
     handle_table,
     register_connection,
     render_messages,
@@ -43,7 +45,7 @@ from .autogen_client import (
     target_of,
     tool_schema,
 )
-from .core import HintSender
+from .core import HintSender, reuse_report
 from .ownership import aend_run, run_scope
 
 logger = logging.getLogger("kvbaton.adapters.autogen")
@@ -51,6 +53,10 @@ logger = logging.getLogger("kvbaton.adapters.autogen")
 T = TypeVar("T")
 
 SELECTOR_AGENT_SUFFIX = ".selector"
+EXACT_KEY = "kvbaton_exact"
+"""``metadata`` key of a stamped reply: ``"false"`` when part of its prompt K/V was reused approximately."""
+APPROXIMATE_KEY = "kvbaton_tokens_approximate"
+"""``metadata`` key of a stamped reply: prompt tokens whose K/V were reused approximately (a decimal string)."""
 
 
 # -- step graphs ------------------------------------------------------------------------------------
@@ -285,7 +291,8 @@ def _wrap_turns(agent: Any, inst: Instrumentation) -> None:
                 if isinstance(item, Response):
                     handle = model_client.last_handle if model_client is not None else None
                     if handle is not None and handle is not before:
-                        stamp(item.chat_message, handle.id)
+                        assert model_client is not None
+                        stamp(item.chat_message, handle.id, model_client.last_result)
                 yield item
         finally:
             inst.turn_finished(name)
@@ -295,10 +302,15 @@ def _wrap_turns(agent: Any, inst: Instrumentation) -> None:
     agent._kvbaton_wrapped = inst
 
 
-def stamp(message: BaseChatMessage, handle_id: str) -> None:
-    """Set ``message.metadata["kvbaton_handle"]``."""
+def stamp(message: BaseChatMessage, handle_id: str, result: Any = None) -> None:
+    """Set ``message.metadata["kvbaton_handle"]`` and, given the reply's kvbaton ``Result``,
+    ``kvbaton_exact`` (``"true"``/``"false"``) and ``kvbaton_tokens_approximate`` (metadata values are strings)."""
     try:
         message.metadata[METADATA_KEY] = handle_id
+        if result is not None:
+            report = reuse_report(result)
+            message.metadata[EXACT_KEY] = "true" if report["exact"] else "false"
+            message.metadata[APPROXIMATE_KEY] = str(report["tokens_approximate"])
     except Exception:  # a frozen or foreign message type: metadata is best effort
         logger.debug("could not stamp %r", message, exc_info=True)
 
@@ -344,7 +356,8 @@ def instrument(
     - the step graph is extracted (``obj.step_graph``; run-time state in ``obj.kvbaton``, an
       :class:`Instrumentation`), and before each turn ``client.hints(step_graph, running, finished)``
       is sent;
-    - replies are stamped with ``metadata["kvbaton_handle"]``.
+    - replies are stamped with ``metadata["kvbaton_handle"]``, ``"kvbaton_exact"`` and
+      ``"kvbaton_tokens_approximate"``.
 
     ``client`` is a kvbaton client, a server URL, or ``None`` (the kvbaton client of an existing
     :class:`KvbatonChatCompletionClient` among the agents, else the process-wide embedded engine).
@@ -476,6 +489,7 @@ __all__ = [
     "Instrumentation",
     "KvbatonChatCompletionClient",
     "KvbatonChatCompletionClientConfig",
+    "KvbatonCreateResult",
     "agent",
     "extract_step_graph",
     "graph_from_digraph",

@@ -13,6 +13,10 @@ schemas. If the model's chat template renders tools they go through ``chat_token
 otherwise (SmolLM2's template ignores them) they are described in the system prompt in the
 adapters' one tool-call convention (:mod:`kvbaton.adapters.core`; messages in ``_autogen_messages``).
 
+Reuse: requests run with the client's ``reuse`` policy (default ``"auto"``: spans other agents
+computed behind their own system prompt are reused too, approximately); every ``CreateResult`` is a
+:class:`KvbatonCreateResult` whose ``kvbaton`` field says whether the reply is exact.
+
 This module is the AutoGen glue and the per-connection state (shared connections, the side table);
 the best handle, agent registration and sync/async dispatch are :mod:`kvbaton.adapters.core`'s.
 
@@ -65,7 +69,20 @@ logger = logging.getLogger("kvbaton.adapters.autogen")
 METADATA_KEY = "kvbaton_handle"
 """``BaseChatMessage.metadata`` key under which instrumented agents stamp the id of their reply's handle."""
 
+class KvbatonCreateResult(CreateResult):
+    """A ``CreateResult`` that also says how kvbaton served the prompt (AutoGen's own fields unchanged)."""
+
+    kvbaton: dict[str, Any] = Field(
+        default_factory=dict,
+        description="How the prompt was served (kvbaton.adapters.core.reuse_report): exact (False: part of its "
+        "K/V was reused approximately from another agent's context), tokens_reused, tokens_approximate, "
+        "tokens_prefilled, segments.",
+    )
+
+
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+CREATE_ARGS = (*SAMPLING_KEYS, "reuse")
+"""Keys ``extra_create_args`` may set: the sampling options and the reuse policy."""
 
 DEFAULT_MODEL_INFO: ModelInfo = {
     "vision": False,
@@ -94,6 +111,12 @@ class KvbatonChatCompletionClientConfig(BaseModel):
     seed: int | None = None
     stop: list[str] | None = None
     reuse_handles: bool = Field(default=True, description="Pass the best side-table handle to generate().")
+    reuse: Literal["exact", "auto", "rotate"] | None = Field(
+        default="auto",
+        description="Reuse policy of generate() (kvbaton.types.Reuse): 'auto' also reuses spans other agents "
+        "computed behind their own system prompt, approximately (such replies are marked); 'exact' keeps greedy "
+        "output identical to dense prefill; None: the engine's or server's default.",
+    )
     tool_prompt: Literal["auto", "template", "system"] = "auto"
     register_prompt: bool = Field(
         default=True, description="Register the leading system messages as the agent's fixed prompt."
@@ -230,6 +253,7 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         seed: int | None = None,
         stop: Sequence[str] | None = None,
         reuse_handles: bool = True,
+        reuse: Literal["exact", "auto", "rotate"] | None = "auto",
         tool_prompt: Literal["auto", "template", "system"] = "auto",
         register_prompt: bool = True,
         context_length: int | None = None,
@@ -240,7 +264,7 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         self._config = KvbatonChatCompletionClientConfig(
             target=target, model=model, agent=agent, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=list(stop) if stop is not None else None,
-            reuse_handles=reuse_handles, tool_prompt=tool_prompt, register_prompt=register_prompt,
+            reuse_handles=reuse_handles, reuse=reuse, tool_prompt=tool_prompt, register_prompt=register_prompt,
             context_length=context_length,
             model_info=dict(model_info) if model_info is not None else None,
         )
@@ -297,10 +321,12 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         return await core.acall(self._client, name, *args, **kwargs)
 
     def _sampling(self, extra_create_args: Mapping[str, Any]) -> dict[str, Any]:
-        unknown = set(extra_create_args) - set(SAMPLING_KEYS)
+        """Sampling options and the reuse policy of one request (``extra_create_args`` override the config)."""
+        unknown = set(extra_create_args) - set(CREATE_ARGS)
         if unknown:
-            raise ValueError(f"unsupported extra_create_args {sorted(unknown)}; supported: {list(SAMPLING_KEYS)}")
+            raise ValueError(f"unsupported extra_create_args {sorted(unknown)}; supported: {list(CREATE_ARGS)}")
         options = {k: getattr(self._config, k) for k in SAMPLING_KEYS if getattr(self._config, k, None) is not None}
+        options["reuse"] = self._config.reuse
         options.update(extra_create_args)
         if "stop" in options and options["stop"] is not None:
             options["stop"] = tuple([options["stop"]] if isinstance(options["stop"], str) else options["stop"])
@@ -429,9 +455,9 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
                     await arelease_quietly(self._client, [i for i in dropped if not is_kept(i)])
                 except KvbatonError:
                     logger.debug("release of dropped handles failed", exc_info=True)
-        return CreateResult(
+        return KvbatonCreateResult(
             finish_reason=finish, content=content, usage=usage, cached=False,
-            thought=thought or None,
+            thought=thought or None, kvbaton=core.reuse_report(result),
         )
 
     # -- ChatCompletionClient -------------------------------------------------------------------------
@@ -575,6 +601,7 @@ __all__ = [
     "HandleTable",
     "KvbatonChatCompletionClient",
     "KvbatonChatCompletionClientConfig",
+    "KvbatonCreateResult",
     "register_connection",
     "render_messages",
     "shared_connection",

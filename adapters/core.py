@@ -10,7 +10,9 @@ same for both:
   rendering of earlier calls and results, one parser (:func:`parse_tool_calls` → ``(text, calls)``);
 - **the best handle** — of the handles found on a prompt's messages, the one whose KV the prompt
   reuses most (:func:`rank_handles`: longest common token prefix, latest on ties), and a call that
-  falls back to plain prefill when that handle went stale (:func:`run_with_handle`);
+  falls back to plain prefill when that handle went stale (:func:`run_with_handle`), with the
+  adapter's reuse policy where the client takes one, and how the answer was served
+  (:func:`reuse_report`: exact or approximate);
 - **agent registration** — an agent's fixed prompt (its leading system messages) registered once
   per client, again only when it changes (:func:`register_fixed_prompt`);
 - **hints** — steps-to-execution of a :class:`~kvbaton.StepGraph` sent through the client's
@@ -103,9 +105,9 @@ async def iterate_in_thread(iterator: Iterator[T]) -> AsyncIterator[T]:
 
 
 @functools.lru_cache(maxsize=256)
-def _takes_agent(fn: Any) -> bool:
+def _takes(fn: Any, name: str) -> bool:
     try:
-        return "agent" in inspect.signature(fn).parameters
+        return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
 
@@ -115,7 +117,31 @@ def agent_kwargs(fn: Callable[..., Any], agent: str | None) -> dict[str, Any]:
     the SDK do; wrappers and fakes may not), else ``{}``."""
     if agent is None:
         return {}
-    return {"agent": agent} if _takes_agent(getattr(fn, "__func__", fn)) else {}
+    return {"agent": agent} if _takes(getattr(fn, "__func__", fn), "agent") else {}
+
+
+def reuse_kwargs(fn: Callable[..., Any], reuse: str | None) -> dict[str, Any]:
+    """``{"reuse": reuse}`` when ``reuse`` is set and ``fn`` takes a ``reuse`` argument (the SDK's
+    ``generate``/``generate_stream`` do; older wrappers and fakes may not), else ``{}``."""
+    if reuse is None:
+        return {}
+    return {"reuse": reuse} if _takes(getattr(fn, "__func__", fn), "reuse") else {}
+
+
+def reuse_report(result: Any) -> dict[str, Any]:
+    """How a :class:`kvbaton.Result`'s prompt was served, as the adapters put it on their replies:
+    ``exact`` (False: part of its K/V was reused approximately from another agent's context), the
+    prompt tokens reused (approximate ones included), approximate and prefilled, and one line per
+    span placed behind the prompt's prefix (``outcome``, tokens reused, ``reason``)."""
+    timings = result.timings
+    return {
+        "exact": bool(getattr(result, "exact", True)),
+        "tokens_reused": timings.tokens_reused,
+        "tokens_approximate": getattr(timings, "tokens_approximate", 0),
+        "tokens_prefilled": timings.tokens_prefilled,
+        "segments": [{"outcome": s.outcome, "tokens_reused": s.tokens_reused, "exact": s.exact, "reason": s.reason}
+                     for s in getattr(result, "segments", None) or ()],
+    }
 
 
 # -- the tool-call convention -----------------------------------------------------------------------
@@ -283,14 +309,15 @@ async def arank_for_prompt(
 
 
 def run_with_handle(
-    client: Any, method: str, messages: Any, handle: Any, *, agent: str | None = None,
+    client: Any, method: str, messages: Any, handle: Any, *, agent: str | None = None, reuse: str | None = None,
     on_stale: Callable[[Any], None] | None = None, **options: Any,
 ) -> Any:
-    """``client.<method>(messages, handle=handle, agent=agent, **options)`` (``agent`` only where the
-    method takes it). A stale handle (:data:`STALE_HANDLE_ERRORS`) makes the same call without it —
-    plain prefill — after ``on_stale(handle)``."""
+    """``client.<method>(messages, handle=handle, agent=agent, reuse=reuse, **options)`` (``agent`` and
+    ``reuse`` only where the method takes them). A stale handle (:data:`STALE_HANDLE_ERRORS`) makes the
+    same call without it — plain prefill — after ``on_stale(handle)``."""
     fn = _method(_call_target(client), method)
     options.update(agent_kwargs(fn, agent))
+    options.update(reuse_kwargs(fn, reuse))
     try:
         return fn(messages, handle=handle, **options)
     except STALE_HANDLE_ERRORS:
@@ -302,11 +329,12 @@ def run_with_handle(
 
 
 async def arun_with_handle(
-    client: Any, method: str, messages: Any, handle: Any, *, agent: str | None = None,
+    client: Any, method: str, messages: Any, handle: Any, *, agent: str | None = None, reuse: str | None = None,
     on_stale: Callable[[Any], None] | None = None, **options: Any,
 ) -> Any:
     fn = _method(client, method)
     options.update(agent_kwargs(fn, agent))
+    options.update(reuse_kwargs(fn, reuse))
     try:
         return await _ainvoke(fn, messages, handle=handle, **options)
     except STALE_HANDLE_ERRORS:
@@ -519,6 +547,8 @@ __all__ = [
     "registered_prompt",
     "render_tool_calls",
     "render_tools",
+    "reuse_kwargs",
+    "reuse_report",
     "run_with_handle",
     "supports",
     "sync_client",

@@ -34,6 +34,7 @@ from contextvars import copy_context
 from typing import Any
 from uuid import UUID
 
+from kvbaton.ops import check_reuse
 from kvbaton.scope import Scope
 from kvbaton.stepgraph import StepGraph
 from langchain_core.callbacks import BaseCallbackHandler
@@ -136,6 +137,8 @@ class _Run(BaseCallbackHandler):
                 message = getattr(generation, "message", None)
                 if message is not None and tag.handle:
                     message.additional_kwargs[KVBATON_KEY] = {"handle": {"id": tag.handle}, "agent": tag.agent or ""}
+                if message is not None and tag.exact is not None:
+                    message.response_metadata[KVBATON_KEY] = {"exact": tag.exact}
 
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         if self.openai_calls.pop(run_id, None) is not None:
@@ -189,8 +192,11 @@ class LangGraphApp:
     delegates to the app); attributes it does not define come from the app."""
 
     def __init__(self, app: Any, client: Any = None, *, base_url: str | None = None, token: str | None = None,
-                 redirect_openai: bool = True, narrow_wildcards: bool = True, release_handles: bool = True) -> None:
+                 redirect_openai: bool = True, narrow_wildcards: bool = True, release_handles: bool = True,
+                 reuse: str | None = None) -> None:
+        check_reuse(reuse)
         self.app = app
+        self.reuse = reuse
         self.release_handles = release_handles
         self._threads = Threads("langgraph")  # per thread_id: what its latest result references
         control = sync_client(client)
@@ -450,7 +456,8 @@ def _reset(token: Any) -> None:
 
 
 def wrap(app: Any, client: Any = None, *, base_url: str | None = None, token: str | None = None,
-         redirect_openai: bool = True, narrow_wildcards: bool = True, release_handles: bool = True) -> LangGraphApp:
+         redirect_openai: bool = True, narrow_wildcards: bool = True, release_handles: bool = True,
+         reuse: str | None = None) -> LangGraphApp:
     """Wrap a compiled LangGraph graph.
 
     ``client`` (a kvbaton Client; an AsyncEmbeddedClient's sync client is used) receives the STE
@@ -461,7 +468,9 @@ def wrap(app: Any, client: Any = None, *, base_url: str | None = None, token: st
     (or any OpenAI-SDK client): inside the wrapper's runs their requests to ``base_url`` carry
     ``X-Kvbaton-Agent: <node>``, requests to ``api.openai.com`` are redirected there
     (``redirect_openai``; ``token`` replaces their API key), the returned handle id lands on the
-    AIMessage, and hints/registrations go to the server unless ``client`` is given.
+    AIMessage, and hints/registrations go to the server unless ``client`` is given. ``reuse`` (mode 2
+    only; ``KvbatonChatModel`` has its own) sends ``X-Kvbaton-Reuse`` with those requests; None: the
+    server's ``--reuse`` decides.
 
     ``narrow_wildcards``: once a step's hops are seen, replace a wildcard router's targets by the
     hops observed so far (else they are only added as edges and the wildcard stays).
@@ -469,7 +478,7 @@ def wrap(app: Any, client: Any = None, *, base_url: str | None = None, token: st
     ``release_handles``: each call is an ownership scope (see the module docstring; ``False``:
     nothing is released, the handles are the caller's)."""
     return LangGraphApp(app, client, base_url=base_url, token=token, redirect_openai=redirect_openai,
-                        narrow_wildcards=narrow_wildcards, release_handles=release_handles)
+                        narrow_wildcards=narrow_wildcards, release_handles=release_handles, reuse=reuse)
 
 
 __all__ = [

@@ -130,9 +130,9 @@ class ResumeRequest(Sampling):
 
 ReuseField = Field(
     default=None,
-    description="Reuse policy: 'exact' (greedy output identical to dense prefill), 'auto' or 'rotate' (also "
-    "spans other agents computed behind another prefix, approximately; the result says so). Default: the server's "
-    "(--reuse, 'exact' unless set).",
+    description="Reuse policy (or header X-Kvbaton-Reuse): 'exact' (greedy output identical to dense prefill), "
+    "'auto' or 'rotate' (also spans other agents computed behind another prefix, approximately; the result's `exact` "
+    "and `segments` say so). Default: the server's (--reuse, 'exact' unless set).",
 )
 
 
@@ -235,6 +235,13 @@ class KvbatonExtension(BaseModel):
         default=False,
         description="Keep every result handle for the caller (who then releases them); by default the server "
         "keeps only the latest result handle per agent and releases the one before.",
+    )
+    reuse: Reuse | None = Field(
+        default=None,
+        description="Reuse policy (also header X-Kvbaton-Reuse): 'exact' (greedy output identical to dense "
+        "prefill), 'auto' or 'rotate' (also spans other agents computed behind another prefix, approximately; the "
+        "answer's kvbaton.exact and header X-Kvbaton-Approximate say so). Default: the server's (--reuse, 'exact' "
+        "unless set).",
     )
 
 

@@ -92,6 +92,16 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--tier", action="append", default=None, metavar="KIND:SIZE", dest="tiers",
                        help='slow tier below the device, e.g. "host:8GiB" or "disk:32GiB" (repeatable, in order)')
     cache.add_argument("--lookahead", type=int, default=2, help="prefetch agents due within this many steps (default 2)")
+    reuse = parser.add_argument_group("cross-prefix reuse (docs/server.md#reuse-across-prefixes)")
+    reuse.add_argument("--reuse", default="exact", choices=["exact", "auto", "rotate"],
+                       help="reuse policy of requests that name none (kvbaton.reuse, reuse, X-Kvbaton-Reuse): exact "
+                       "= common-prefix reuse only, greedy output identical to dense prefill (default); auto = also "
+                       "spans other agents computed behind another prefix, re-aligned and partly recomputed, "
+                       "answers marked approximate; rotate = re-alignment only (every worker of --devices too; no "
+                       "effect with --engine sglang)")
+    reuse.add_argument("--shared-spans", action="store_true",
+                       help="with several tokens: let a tenant's requests reuse spans of other tenants' handles "
+                       "(default: each tenant's own only; their prompts then shape each other's answers)")
     lim = parser.add_argument_group("limits")
     lim.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help=f"largest request body, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
@@ -143,6 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
         "tiers": args.tiers or (),
         "lookahead": args.lookahead,
         "fast_decode": not args.no_fast_decode,
+        "reuse": args.reuse,
     }
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
     world = args.world_size
@@ -170,6 +181,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_n=args.max_n,
             max_agents=args.max_agents,
             threads=args.threads,
+            reuse=args.reuse,
+            shared_spans=args.shared_spans,
             **_tenant_limits(args),
         )
     except KvbatonError as exc:

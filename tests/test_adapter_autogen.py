@@ -265,7 +265,8 @@ def _debate(kv: EmbeddedClient, **options: Any) -> tuple[list[str], RoundRobinGr
 
 
 def test_round_robin_debate_reuse_is_exact(kv):
-    texts, team = _debate(kv, prefill=True)
+    # reuse="exact": common-prefix reuse only (the adapters' default "auto" is tested in test_reuse_adapters.py)
+    texts, team = _debate(kv, prefill=True, reuse="exact")
     assert team.kvbaton.speakers == ["pro", "con", "judge"] * 2
     log = team.kvbaton.hint_log
     assert [h.running for h in log] == [(s,) for s in team.kvbaton.speakers]
@@ -281,7 +282,7 @@ def test_round_robin_debate_reuse_is_exact(kv):
     plain = Engine(kv_budget="256MiB", prefix_cache=False)
     try:
         cold = EmbeddedClient(engine=plain)
-        texts_cold, team_cold = _debate(cold, reuse_handles=False)
+        texts_cold, team_cold = _debate(cold, reuse_handles=False, reuse="exact")
         assert texts_cold == texts
         assert all(r.timings.tokens_reused == 0 for c in team_cold.kvbaton.model_clients.values() for r in c.results)
         assert plain.stats().tokens_reused == 0 < kv.stats().tokens_reused

@@ -356,8 +356,11 @@ def test_supervisor_graph_on_the_engine(client: Any) -> None:
     assert reused[-1] > prompt[-1] // 2  # the last call re-prefilled only its own suffix and seams
     assert client.stats().tokens_reused >= sum(reused)
 
-    # -- the same greedy output without handles (plain prefill of the same prompts)
-    baseline = _supervisor(KvbatonChatModel(client=client, max_tokens=4, pass_handles=False)).invoke(INPUTS)
+    # -- the same greedy output without handles (plain prefill of the same prompts; reuse="exact": no
+    # spans of other agents' handles either)
+    baseline = _supervisor(KvbatonChatModel(client=client, max_tokens=4, pass_handles=False, reuse="exact")).invoke(
+        INPUTS
+    )
     base_ai = [m for m in baseline["messages"] if isinstance(m, AIMessage)]
     assert [m.content for m in base_ai] == [m.content for m in ai]
     assert all(m.usage_metadata["input_token_details"]["cache_read"] == 0 for m in base_ai)

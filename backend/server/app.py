@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from kvbaton import serverconf as conf
 from kvbaton.capabilities import Capabilities
 from kvbaton.ops import EngineOps
+from kvbaton.types import Reuse
 
 from .. import protocol as p
 from .errors import ERROR_RESPONSES, RETRY_AFTER_S, install_error_handlers
@@ -63,6 +64,8 @@ def create_app(
     max_handles_per_tenant: int | None = conf.DEFAULT_MAX_HANDLES_PER_TENANT,
     max_kv_bytes_per_tenant: int | str | None = None,
     handle_ttl: float | None = None,
+    reuse: Reuse | None = None,
+    shared_spans: bool = False,
 ) -> FastAPI:
     """The FastAPI app around ``target``: a :class:`kvbaton.backend.Engine` (or any
     :class:`kvbaton.ops.EngineOps`: ``Cluster``, ``SglangEngine``) or an ``EmbeddedClient``.
@@ -74,6 +77,10 @@ def create_app(
     ``max_handles_per_tenant`` (0/None: no limit) and ``max_kv_bytes_per_tenant`` (bytes, ``"2GiB"``
     or ``"N blocks"``; None: no limit) are each tenant's quotas (429 ``quota_exceeded`` beyond);
     ``handle_ttl`` (seconds; None: off) releases handles no operation named for that long.
+    ``reuse`` is the reuse policy of requests that name none (None: the engine's own default,
+    ``Engine(reuse=...)``, else ``"exact"``). With several tokens each tenant's requests reuse only
+    their own tenant's spans across prefixes (the engine's ``span_scope``) unless ``shared_spans``;
+    an engine without ``span_scope`` (``Cluster``) then serves every request ``"exact"``.
     """
     engine = engine_of(target)
     tenants = tenant_map(token)
@@ -81,7 +88,7 @@ def create_app(
         engine, tenants=tenants, max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n,
         max_agents=max_agents, threads=threads, fallback_max_tokens=DEFAULT_MAX_TOKENS,
         max_handles_per_tenant=max_handles_per_tenant, max_kv_bytes_per_tenant=max_kv_bytes_per_tenant,
-        handle_ttl=handle_ttl,
+        handle_ttl=handle_ttl, reuse=reuse, shared_spans=shared_spans,
     )
 
     @contextlib.asynccontextmanager

@@ -1,5 +1,5 @@
 """Prometheus metrics of the server: request counts and durations, time to first token, prompt
-tokens by source, generated tokens, and the engine's pool and reuse counters.
+tokens by source (reused exactly, reused approximately, prefilled), generated tokens, and the engine's pool and reuse counters.
 
 Invariants: label values are bounded (route templates, never raw paths; no tenant or token); the
 pool gauges are read from the engine at scrape time (``PoolCollector``), never cached.
@@ -38,7 +38,8 @@ class Metrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30),
         )
         self.prompt_tokens = Counter(
-            "kvbaton_prompt_tokens", "Prompt tokens of generation requests: reused from a handle or prefilled",
+            "kvbaton_prompt_tokens", "Prompt tokens of generation requests: reused exactly (from a handle or the "
+            "prefix cache), reused approximately (spans placed behind another prefix), or prefilled",
             ["endpoint", "source"], registry=self.registry,
         )
         self.generated_tokens = Counter(
@@ -49,7 +50,8 @@ class Metrics:
     def observe(self, endpoint: str, result: Result) -> None:
         t = result.timings
         self.ttft.labels(endpoint).observe(t.ttft_s)
-        self.prompt_tokens.labels(endpoint, "reused").inc(t.tokens_reused)
+        self.prompt_tokens.labels(endpoint, "reused").inc(t.tokens_reused - t.tokens_approximate)
+        self.prompt_tokens.labels(endpoint, "approximate").inc(t.tokens_approximate)
         self.prompt_tokens.labels(endpoint, "prefilled").inc(t.tokens_prefilled)
         self.generated_tokens.labels(endpoint).inc(t.tokens_generated)
 

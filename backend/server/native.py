@@ -25,7 +25,7 @@ from .. import protocol as p
 from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
 from .sse import StreamEvents, open_primed, sse, stream_response
 from .state import ServerState
-from .tenancy import request_agent, request_tenant
+from .tenancy import request_agent, request_reuse, request_tenant
 
 
 class NativeEvents(StreamEvents):
@@ -170,17 +170,19 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/kv/complete", response_model=Result, **{**kv, "responses": STREAM_RESPONSES})
     async def complete(body: p.CompleteRequest, request: Request) -> Any:
+        reuse = state.reuse(request_reuse(request, body.reuse))
         return await generation(
             "/v1/kv/complete", request, body, body.agent, [],
-            lambda agent, params: engine.complete_stream(body.prompt, params, agent=agent, reuse=body.reuse),
+            lambda agent, params: engine.complete_stream(body.prompt, params, agent=agent, reuse=reuse),
         )
 
     @app.post("/v1/kv/generate", response_model=Result, **{**kv, "responses": STREAM_RESPONSES})
     async def generate(body: p.GenerateRequest, request: Request) -> Any:
+        reuse = state.reuse(request_reuse(request, body.reuse))
         return await generation(
             "/v1/kv/generate", request, body, body.agent, [body.handle],
             lambda agent, params: template_errors(lambda: engine.generate_stream(
-                body.messages, handle=body.handle, tools=body.tools, sampling=params, agent=agent, reuse=body.reuse,
+                body.messages, handle=body.handle, tools=body.tools, sampling=params, agent=agent, reuse=reuse,
             )),
         )
 

@@ -10,7 +10,11 @@ Invariants: choice ``i`` samples with ``seed + i`` (choices differ, a request is
 a request is admitted for its ``n`` result handles within the tenant's quotas; an agent's latest
 chat result stays in its slot and the one before is released (unless the caller ``keep``s every
 handle); a full pool first evicts the same tenant's other agents' idle slots (never another
-tenant's), then answers 503; streams own their handles as every stream does (``sse``).
+tenant's), then answers 503; streams own their handles as every stream does (``sse``). Reuse: a
+request runs with its own policy (``kvbaton.reuse`` / ``X-Kvbaton-Reuse``), else the server's; an
+answer says whether it is exact (``kvbaton.exact``, and ``X-Kvbaton-Approximate: true`` on a whole
+answer that is not), ``cached_tokens`` counts exact reuse only, and an ``"exact"`` request never
+resumes an agent's retained approximate handle.
 """
 
 from __future__ import annotations
@@ -27,13 +31,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest, ModelNotFound, PoolExhausted
 from kvbaton.stream import TokenStream
-from kvbaton.types import Result, SamplingParams, StreamChunk
+from kvbaton.types import Result, Reuse, SamplingParams, StreamChunk
 
 from .. import protocol as p
 from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
 from .sse import Streams, StreamEvents, close_all, open_primed, prime_all, sse, stream_response
 from .state import ServerState
-from .tenancy import SlotKey, request_agent, request_tenant
+from .tenancy import SlotKey, request_agent, request_reuse, request_tenant
+
+APPROXIMATE_HEADER = "X-Kvbaton-Approximate"
+"""Response header, ``true`` on a (non-streamed) answer whose prompt K/V were partly reused approximately."""
 
 
 # -- messages ------------------------------------------------------------------------------------
@@ -76,7 +83,9 @@ def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def usage(results: Sequence[Result]) -> dict[str, Any]:
-    """OpenAI usage of ``n`` choices: their one prompt, every choice's completion."""
+    """OpenAI usage of ``n`` choices: their one prompt, every choice's completion. ``cached_tokens``
+    counts exact reuse only: K/V reused approximately (``tokens_approximate``) is not what OpenAI
+    clients take a cache hit to be."""
     first = results[0].timings
     prompt = first.tokens_reused + first.tokens_prefilled
     completion = sum(r.timings.tokens_generated for r in results)
@@ -84,7 +93,7 @@ def usage(results: Sequence[Result]) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": first.tokens_reused},
+        "prompt_tokens_details": {"cached_tokens": first.tokens_reused - first.tokens_approximate},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
@@ -100,6 +109,7 @@ class Plan:
     agent: str  # "" when none
     engine_agent: str | None
     reuse: p.HandleRef | None  # the caller's handle to reuse (else the agent's latest, for chat)
+    policy: Reuse  # the reuse policy the engine runs it with
     keep: bool
     step: str | int | None
     params: list[SamplingParams]  # one per choice
@@ -142,7 +152,10 @@ class OpenAIServing:
             "usage": usage(results),
             "kvbaton": self.extension(plan, kept, results),
         }
-        return JSONResponse(payload, headers={"X-Kvbaton-Handle": kept[0]} if kept[0] else None)
+        headers = {"X-Kvbaton-Handle": kept[0]} if kept[0] else {}
+        if not all(r.exact for r in results):
+            headers[APPROXIMATE_HEADER] = "true"
+        return JSONResponse(payload, headers=headers or None)
 
     def plan(self, body: p.OpenAIRequest, request: Request) -> Plan:
         state = self.state
@@ -153,6 +166,7 @@ class OpenAIServing:
         if body.n > state.max_n:
             raise InvalidRequest(f"n {body.n} exceeds the server's limit of {state.max_n}")
         state.check_owned(tenant, [ext.handle])
+        policy = state.reuse(request_reuse(request, ext.reuse))
         fields = {k: v for k, v in body.sampling_fields().items() if v is not None}
         fields.setdefault("max_tokens", state.default_max_tokens)
         seeds = [None if body.seed is None else (body.seed + i) % 2**63 for i in range(body.n)]
@@ -160,7 +174,8 @@ class OpenAIServing:
         prompt, tools = self.prompt(body, ext)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return Plan(
-            tenant=tenant, agent=agent, engine_agent=engine_agent, reuse=ext.handle, keep=ext.keep, step=ext.step,
+            tenant=tenant, agent=agent, engine_agent=engine_agent, reuse=ext.handle, policy=policy, keep=ext.keep,
+            step=ext.step,
             params=params, prompt=prompt, tools=tools, include_usage=include_usage,
             id=self.id_prefix + secrets.token_hex(12), created=int(time.time()),
         )
@@ -189,9 +204,16 @@ class OpenAIServing:
 
     @staticmethod
     def extension(plan: Plan, kept: list[str | None], results: Sequence[Result]) -> dict[str, Any]:
-        """The ``kvbaton`` field of the answer: handles kept for the caller, agent, step, timings."""
+        """The ``kvbaton`` field of the answer: handles kept for the caller, agent, step, timings (one per
+        choice), and whether the answer is exact: ``exact`` (every choice's prompt K/V equal dense
+        prefill's), ``reuse`` (the policy it ran with), and choice 0's ``tokens_approximate`` and
+        ``segments`` (the spans placed behind this prompt's prefix, and what was done with each)."""
+        first = results[0]
         return {"handle": kept[0], "handles": kept, "agent": plan.agent or None, "step": plan.step,
-                "timings": [r.timings.model_dump() for r in results]}
+                "timings": [r.timings.model_dump() for r in results],
+                "exact": all(r.exact for r in results), "reuse": plan.policy,
+                "tokens_approximate": first.timings.tokens_approximate,
+                "segments": [s.model_dump(mode="json") for s in first.segments]}
 
     # -- hooks --------------------------------------------------------------------------------------
     def prompt(self, body: Any, ext: p.KvbatonExtension) -> tuple[Any, list[dict[str, Any]] | None]:
@@ -278,7 +300,7 @@ class ChatServing(OpenAIServing):
         def open_stream(handle: p.HandleRef | None, params: SamplingParams) -> TokenStream:
             return template_errors(functools.partial(
                 state.engine.generate_stream, plan.prompt, handle=handle, tools=plan.tools, sampling=params,
-                agent=plan.engine_agent,
+                agent=plan.engine_agent, reuse=plan.policy,
             ))
 
         while True:
@@ -287,6 +309,10 @@ class ChatServing(OpenAIServing):
             try:
                 with slot.lock:
                     base: p.HandleRef | None = plan.reuse if plan.reuse is not None else slot.handle_id
+                    if plan.reuse is None and not slot.exact and plan.policy == "exact":
+                        # An exact request does not resume the agent's approximate turn; its exact
+                        # prefix still comes from the prefix cache. (A handle the caller names is used.)
+                        base = None
                     state.check_owned(plan.tenant, [base])  # the retained handle is used: its idle time restarts
                     for params in plan.params:
                         try:
@@ -313,7 +339,7 @@ class ChatServing(OpenAIServing):
         handles = [r.handle.id for r in results]
         if plan.keep:
             return list(handles)
-        old = state.slots.slot(plan.key).replace(handles[0])
+        old = state.slots.slot(plan.key).replace(handles[0], exact=results[0].exact)
         state.release_quietly([*handles[1:], old if old != handles[0] else None])
         state.release_quietly([evicted.handle_id for evicted in state.slots.overflow(plan.tenant)])
         return [handles[0]] + [None] * (len(handles) - 1)
@@ -347,7 +373,8 @@ class CompletionServing(OpenAIServing):
 
     def open_streams(self, plan: Plan) -> Streams:
         engine = self.state.engine
-        return open_primed(functools.partial(engine.complete_stream, plan.prompt, params, agent=plan.engine_agent)
+        return open_primed(functools.partial(engine.complete_stream, plan.prompt, params, agent=plan.engine_agent,
+                                             reuse=plan.policy)
                            for params in plan.params)
 
     def run_all(self, plan: Plan) -> tuple[list[Result], list[str | None]]:
@@ -355,7 +382,8 @@ class CompletionServing(OpenAIServing):
         results: list[Result] = []
         try:
             for params in plan.params:
-                results.append(self.state.engine.complete(plan.prompt, params, agent=plan.engine_agent))
+                results.append(self.state.engine.complete(plan.prompt, params, agent=plan.engine_agent,
+                                                          reuse=plan.policy))
         except BaseException:  # the choices that did end made handles nobody will get
             self.state.release_quietly([r.handle.id for r in results])
             raise

@@ -7,12 +7,15 @@ for its tenant as soon as it exists (``record``), and every release goes through
 owners and agent slots forget the id; a request is admitted within its tenant's quota (``admit``)
 before the engine runs it; every operation naming a handle restarts its idle time (``check_owned``),
 and ``sweep`` releases handles idle longer than the TTL; the engine gets every tenant's hints at
-once, and a tenant's stats show only its own agents.
+once, and a tenant's stats show only its own agents; on a multi-tenant server a request's
+cross-prefix reuse places only its own tenant's spans (unless shared explicitly), and where the engine
+cannot scope them every request runs ``"exact"``.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -22,8 +25,8 @@ import anyio.to_thread
 from kvbaton.client import sampling_params
 from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest
 from kvbaton.handle import Handle
-from kvbaton.ops import EngineOps, ste_map
-from kvbaton.types import SamplingParams, Stats
+from kvbaton.ops import EngineOps, check_reuse, ste_map
+from kvbaton.types import Reuse, SamplingParams, Stats
 
 from .. import protocol as p
 from ..block_pool import blocks_for_budget
@@ -31,10 +34,16 @@ from .metrics import Metrics
 from .tenancy import Admission, AgentNames, AgentSlots, Owners, Quota
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def ref_id(ref: p.HandleRef) -> str:
     return ref.id if isinstance(ref, Handle) else ref
+
+
+def _one_scope(agent: str | None) -> str:
+    """Every request's spans in one scope: all tenants share them (``--shared-spans``)."""
+    return ""
 
 
 class ServerState:
@@ -54,11 +63,16 @@ class ServerState:
         max_handles_per_tenant: int | None = None,
         max_kv_bytes_per_tenant: int | str | None = None,
         handle_ttl: float | None = None,
+        reuse: Reuse | None = None,
+        shared_spans: bool = False,
     ) -> None:
         self.engine = engine
         self.tenants = tenants
         self.multi_tenant = bool(tenants)
         self.names = AgentNames(self.multi_tenant)
+        check_reuse(reuse)
+        self.default_reuse: Reuse = reuse or getattr(engine, "reuse", None) or "exact"
+        self.cross_prefix = self._scope_spans(shared_spans)
         first = engine.stats()
         self.model = first.model
         self.max_context: int | None = engine.max_context
@@ -82,6 +96,29 @@ class ServerState:
         self._hints_lock = threading.Lock()
         self._hints: dict[str, dict[str, float]] = {}  # tenant -> {engine agent name: steps}
         self._limiter: anyio.CapacityLimiter | None = None
+
+    def _scope_spans(self, shared: bool) -> bool:
+        """Keep each tenant's spans to itself (``engine.span_scope``); whether cross-prefix reuse may
+        run at all: not on a multi-tenant server whose engine cannot scope its spans (a ``Cluster``:
+        each worker keeps its own index), unless spans are ``shared`` across tenants explicitly."""
+        if not self.multi_tenant:
+            return True  # one tenant: the engine's own scoping (by default one scope)
+        if shared:
+            if hasattr(self.engine, "span_scope"):
+                self.engine.span_scope = _one_scope
+            return True
+        if not hasattr(self.engine, "span_scope"):
+            if self.default_reuse != "exact":
+                log.warning("cross-prefix reuse is off: this engine (%s) cannot keep tenants' spans apart; "
+                            "--shared-spans allows it across tenants", type(self.engine).__name__)
+            return False
+        self.engine.span_scope = self.names.span_scope
+        return True
+
+    def reuse(self, requested: Reuse | None) -> Reuse:
+        """The reuse policy a request runs with: its own, else the server's default; always ``"exact"``
+        where cross-prefix reuse is off (see ``_scope_spans``)."""
+        return (requested or self.default_reuse) if self.cross_prefix else "exact"
 
     # -- threads ------------------------------------------------------------------------------
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -4,7 +4,8 @@ their agents retains.
 Each bearer token is a tenant (``tenant_map``); without tokens everything is one tenant. Invariants:
 a tenant sees only the handles it made (``Owners``: any other id is ``HandleNotFound``, exactly as an
 unknown one); tenants share the engine but not agent names (``AgentNames``: tenant ``t``'s agent
-``a`` is ``t/a`` in the engine); a tenant's live handles, plus those its requests in flight may
+``a`` is ``t/a`` in the engine), nor the spans that cross-prefix reuse places (``AgentNames.span_scope``,
+unless the server shares them explicitly); a tenant's live handles, plus those its requests in flight may
 make, stay within its ``Quota`` (``Owners.admit``); an OpenAI agent retains one handle, its latest
 (``AgentSlots``), and only its own tenant's requests may evict it.
 """
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from kvbaton.errors import HandleNotFound, InvalidRequest, QuotaExceeded
+from kvbaton.ops import check_reuse
+from kvbaton.types import Reuse
 
 from ..protocol import MAX_AGENT_CHARS
 
@@ -52,6 +55,8 @@ def tenant_map(token: str | Sequence[str] | Mapping[str, str] | None) -> dict[st
         tokens = {t: tenant_id(t) for t in token}
     if any(not t or t != t.strip() or any(c.isspace() for c in t) for t in tokens):
         raise InvalidRequest("tokens must be non-empty and contain no whitespace")
+    if any(not name or "/" in name for name in tokens.values()):
+        raise InvalidRequest("tenant names must be non-empty and contain no '/' (it separates tenant and agent)")
     return tokens
 
 
@@ -63,6 +68,15 @@ def request_tenant(request: Request) -> str:
 def request_agent(request: Request, given: str | None) -> str | None:
     """The request's agent tag: the body's own, else the ``X-Kvbaton-Agent`` header."""
     return given if given is not None else request.headers.get("x-kvbaton-agent") or None
+
+
+def request_reuse(request: Request, given: Reuse | None) -> Reuse | None:
+    """The request's reuse policy: the body's own, else the ``X-Kvbaton-Reuse`` header (None: neither)."""
+    if given is not None:
+        return given
+    header = request.headers.get("x-kvbaton-reuse") or None
+    check_reuse(header)
+    return header  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,14 @@ class AgentNames:
         if len(agent) > MAX_AGENT_CHARS:
             raise InvalidRequest(f"agent names are at most {MAX_AGENT_CHARS} characters")
         return f"{tenant}/{agent}" if self.multi_tenant else agent
+
+    def span_scope(self, engine_name: str | None) -> str | None:
+        """The scope of cross-prefix reuse of a request by the engine agent ``engine_name`` on a
+        multi-tenant server: its tenant, so that spans come only from the same tenant's live handles;
+        None (no cross-prefix reuse) for agentless requests, whose tenant the engine cannot tell."""
+        if not engine_name or "/" not in engine_name:
+            return None
+        return engine_name.split("/", 1)[0]
 
     def own_name(self, tenant: str, engine_name: str) -> str | None:
         """The tenant's own name of an engine agent name, or None for another tenant's agent."""
@@ -253,11 +275,12 @@ class Slot:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     handle_id: str | None = None
+    exact: bool = True  # whether the held handle's K/V equal dense prefill's (False: reused approximately)
 
-    def replace(self, handle_id: str | None) -> str | None:
-        """Hold ``handle_id`` instead; the handle held before (the caller releases it)."""
+    def replace(self, handle_id: str | None, exact: bool = True) -> str | None:
+        """Hold ``handle_id`` (``exact`` or not) instead; the handle held before (the caller releases it)."""
         with self.lock:
-            old, self.handle_id = self.handle_id, handle_id
+            old, self.handle_id, self.exact = self.handle_id, handle_id, exact
         return old
 
     def take(self) -> str | None:
@@ -312,7 +335,7 @@ class AgentSlots:
         with self._lock:
             for slot in self._slots.values():
                 if slot.handle_id in handle_ids:
-                    slot.handle_id = None
+                    slot.handle_id, slot.exact = None, True
 
     def tenant_slots(self, tenant: str) -> list[Slot]:
         with self._lock:
