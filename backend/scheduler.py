@@ -72,22 +72,14 @@ class Scheduler:
 
     def run(self, chunk: Chunk) -> torch.Tensor:
         """Compute one chunk (batched with whatever else is waiting); its logits (see ``ModelRunner.forward``)."""
-        work = _Work(chunk)
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            self._pending.append(work)
-            self._cv.notify()
-        work.done.wait()
-        if work.error is not None:
-            raise work.error
-        assert work.logits is not None
-        return work.logits
+        return self._wait(_Work(chunk))
 
     def call(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run ``fn`` (a model computation that is not one chunk, e.g. ``ModelRunner.deviation``) on
         the scheduler thread, alone, in turn with the forwards; its result."""
-        work = _Work(None, fn)
+        return self._wait(_Work(None, fn))
+
+    def _wait(self, work: _Work) -> torch.Tensor:
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")

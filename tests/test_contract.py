@@ -247,7 +247,7 @@ def test_a_handle_of_another_model_is_incompatible(kv) -> None:
         pytest.param(lambda kv, h: kv.hints({"a": -1}), id="negative-steps"),
         pytest.param(lambda kv, h: kv.tokenize(5), id="tokenize-non-text"),
         pytest.param(lambda kv, h: kv.resume(h, QUESTION, temperature=-1), id="bad-temperature"),
-        pytest.param(lambda kv, h: kv.compose(segments=[h], mode="blend"), id="unknown-compose-mode"),
+        pytest.param(lambda kv, h: kv.compose(segments=[h], mode="bogus"), id="unknown-compose-mode"),
     ],
 )
 def test_bad_input_is_an_invalid_request_and_costs_nothing(kv, call) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import kvbaton
 import pytest
 from conftest import dense_greedy
 from kvbaton.bench.corpus import document
@@ -273,3 +274,23 @@ def test_cli_flags_and_span_scopes():
     assert names.span_scope(None) is None and names.span_scope("solo") is None
     with pytest.raises(InvalidRequest, match="'/'"):
         tenant_map({"token": "team/a"})
+
+
+def test_audit_stats_show_a_tenant_only_its_own_agents(engine):
+    from kvbaton.backend.audit import FidelityAudit
+    from kvbaton.backend.server.state import ServerState
+
+    engine.audit = FidelityAudit(engine._dense_argmax, fraction=1.0)
+    state = ServerState(engine, tenants={"a": "ta", "b": "tb"}, max_tokens=None, default_max_tokens=8, max_n=1,
+                        max_agents=4, threads=1, fallback_max_tokens=64)
+    doc = document(120, seed=31)
+    sampling = kvbaton.SamplingParams(max_tokens=2)
+    messages = [{"role": "user", "content": doc + "\n\nSummary?"}]
+    engine.generate([{"role": "system", "content": "You read."}, *messages], sampling=sampling,
+                    agent=state.agent("ta", "reader"))
+    result = engine.generate([{"role": "system", "content": "You review."}, *messages], sampling=sampling,
+                             agent=state.agent("ta", "reviewer"), reuse="rotate")
+    assert not result.exact
+    engine.audit.flush()
+    assert set(state.stats("ta").audit.agents) == {"reviewer"}  # by its own name
+    assert state.stats("tb").audit.agents == {} and state.stats("tb").audit.checked == 1  # totals are the engine's

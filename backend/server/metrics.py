@@ -82,10 +82,24 @@ class PoolCollector:
         yield nbytes
         yield GaugeMetricFamily("kvbaton_handles_live", "Live handles in the engine", value=s.handles_live)
         tokens = CounterMetricFamily(
-            "kvbaton_engine_tokens", "Engine token counters: prompt tokens reused from handles, prefilled, generated",
+            "kvbaton_engine_tokens", "Engine token counters: prompt tokens reused exactly, reused approximately "
+            "(reuse='auto'/'rotate'), prefilled, generated",
             labels=["kind"],
         )
-        for kind, value in (("reused", s.tokens_reused), ("prefilled", s.tokens_prefilled),
-                            ("generated", s.tokens_generated)):
+        for kind, value in (("reused", s.tokens_reused - s.tokens_approximate), ("approximate", s.tokens_approximate),
+                            ("prefilled", s.tokens_prefilled), ("generated", s.tokens_generated)):
             tokens.add_metric([kind], value)
         yield tokens
+        if s.audit is not None:  # the sampled fidelity check of approximate answers (backend/audit.py)
+            checks = CounterMetricFamily(
+                "kvbaton_audit_checks", "Approximate answers re-checked against dense prefill, by outcome",
+                labels=["outcome"],
+            )
+            checks.add_metric(["agreed"], s.audit.agreed)
+            checks.add_metric(["disagreed"], s.audit.checked - s.audit.agreed)
+            checks.add_metric(["dropped"], s.audit.dropped)
+            yield checks
+            yield GaugeMetricFamily(
+                "kvbaton_audit_agreement", "First-token agreement of checked approximate answers with dense prefill",
+                value=s.audit.agreed / s.audit.checked if s.audit.checked else 1.0,
+            )

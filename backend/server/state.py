@@ -206,6 +206,8 @@ class ServerState:
         update: dict[str, Any] = {"agents": own(stats.agents)}
         if stats.cache is not None:
             update["cache"] = stats.cache.model_copy(update={"steps_to_execution": own(stats.cache.steps_to_execution)})
+        if stats.audit is not None:  # totals are the engine's; per-agent agreement only of the tenant's agents
+            update["audit"] = stats.audit.model_copy(update={"agents": own(stats.audit.agents)})
         if stats.cluster is not None:
             workers = [w.model_copy(update={"stats": None if w.stats is None else self._own_stats(tenant, w.stats)})
                        for w in stats.cluster.workers]
