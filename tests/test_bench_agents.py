@@ -246,6 +246,46 @@ def test_vllm_peer_that_fails_to_start_says_why_with_its_log(fake_vllm, tmp_path
         no_vllm.start()
 
 
+BENCH_HOLDING_A_SERVER = """
+import sys, time
+from pathlib import Path
+from kvbaton.bench import agents
+peer = agents.VllmPeer(sys.executable, Path(sys.argv[1]), log_path=Path(sys.argv[2]), startup_timeout=60)
+with agents.sigterm_as_exit():
+    try:
+        peer.start()
+        print(peer.proc.pid, flush=True)
+        time.sleep(600)
+    finally:
+        peer.stop()
+"""
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_vllm_server_does_not_outlive_a_killed_benchmark(fake_vllm, tmp_path, monkeypatch, how):
+    import signal
+    import time
+
+    # SIGTERM: the benchmark's `finally` stops the whole group (the worker too); SIGKILL: no `finally`
+    # runs, the kernel sends the server SIGTERM (PR_SET_PDEATHSIG) and vLLM stops its own workers.
+    if how == "SIGTERM":
+        monkeypatch.setenv("FAKE_VLLM_CHILD", "1")
+    bench = subprocess.Popen([sys.executable, "-c", BENCH_HOLDING_A_SERVER, str(fake_vllm), str(tmp_path / "log")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        group = int(bench.stdout.readline())
+        bench.send_signal(getattr(signal, how))
+        bench.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while not _group_gone(group) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _group_gone(group)
+    finally:
+        bench.kill()
+        bench.wait()
+
+
 @pytest.mark.unit
 def test_vllm_checkpoint_adds_the_tied_embedding_once(tmp_path):
     import torch

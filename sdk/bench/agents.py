@@ -238,10 +238,11 @@ os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 
 
 def vllm_server_args(model_dir: str | os.PathLike[str], port: int) -> list[str]:
-    """The server's flags (vLLM 0.32; it logs no requests unless told to)."""
+    """The server's flags (vLLM 0.32: requests are not logged unless asked for; no HTTP access log either)."""
     return ["--model", str(model_dir), "--served-model-name", VLLM_MODEL_NAME, "--dtype", VLLM_DTYPE,
             "--enable-prefix-caching", "--enforce-eager", "--gpu-memory-utilization", "0.5", "--max-model-len", "8192",
-            "--enable-prompt-tokens-details", "--enable-per-request-metrics", "--host", "127.0.0.1", "--port", str(port)]
+            "--enable-prompt-tokens-details", "--enable-per-request-metrics", "--disable-uvicorn-access-log",
+            "--host", "127.0.0.1", "--port", str(port)]
 
 
 def vllm_checkpoint(src: Path, root: Path) -> Path:
@@ -891,7 +892,7 @@ def peer_notes(payload: dict[str, Any]) -> list[str]:
     server = peer.get("server_command") or []
     lines = [
         f"vllm: vLLM {peer.get('version')} (CPU build, torch {peer.get('torch')}), its OpenAI-compatible server started "
-        f"by this run: `{' '.join(server[1:])}` with {env}; {VLLM_DTYPE} only; ready in {peer['startup_s']:.0f} s "
+        f"by this run: `{' '.join(server)}` with {env}; {VLLM_DTYPE} only; ready in {peer['startup_s']:.0f} s "
         "(not counted); prompts are kvbaton's `chat_tokens` ids, greedy, EOS ignored, after the same warm-up request; "
         "vLLM's own rendering of the same chats gives " + ("the same ids" if same and all(same.values()) else
                                                             f"**different ids** ({same})"),
