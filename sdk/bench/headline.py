@@ -154,13 +154,82 @@ def _correction(rec: Record) -> tuple[str, list[Target]]:
     return text, found
 
 
+AGENTS_SPEEDUP = 1.5  # auto vs vLLM-CPU with prefix caching, and auto vs exact
+AGENTS_FIRST_TOKEN = 0.95
+AGENTS_REUSE = 0.8  # downstream agents' prompt tokens reused (exactly + approximately)
+
+
+def _reuse_share(turns: list[dict[str, Any]]) -> tuple[float, int]:
+    prompt = sum(t["prompt_tokens"] for t in turns)
+    reused = sum(t["reused_exact"] + t["reused_approx"] for t in turns)
+    return (reused / prompt if prompt else 0.0), len(turns)
+
+
+def _agents_targets(rec: Record) -> list[Target]:
+    """The persona-first targets: auto vs vLLM (fp32) and vs exact per workload (ratios of medians),
+    teacher-forced first-token agreement of auto per dtype, and the reuse of downstream agents (every turn
+    after each workload's first) in auto per workload."""
+    by = {(r["dtype"], r["variant"]): r for r in rec["rows"]}
+    names = rec.get("workloads") or []
+    dtypes = rec.get("dtypes") or sorted({r["dtype"] for r in rec["rows"]})
+    need = rec.get("min_tf_turns", 60)
+    found: list[Target] = []
+    auto32, vllm = by.get(("float32", "auto")), by.get(("float32", "vllm"))
+    if auto32 is not None:
+        compared = [n for n in names if vllm is not None and f"{n}_s" in vllm] or [n for n in names if n == "debate"]
+        for name in compared:
+            text = f"{name} float32: auto >= {AGENTS_SPEEDUP:g}x faster than vLLM-CPU with prefix caching"
+            if vllm is None or f"{name}_s" not in auto32:
+                why = (rec.get("peer") or {}).get("reason") or "vLLM not in this run"
+                found.append(Target(text, f"nothing: {why}", False))
+                continue
+            ratio = vllm[f"{name}_s"] / auto32[f"{name}_s"]
+            found.append(Target(text, _x(ratio), ratio >= AGENTS_SPEEDUP))
+        if vllm is not None and len(compared) > 1:
+            ratio = vllm["end_to_end_s"] / auto32["end_to_end_s"]
+            found.append(Target(f"all workloads float32: auto >= {AGENTS_SPEEDUP:g}x faster than vLLM-CPU with prefix "
+                                "caching", _x(ratio), ratio >= AGENTS_SPEEDUP))
+    for dtype in dtypes:
+        auto, exact = by.get((dtype, "auto")), by.get((dtype, "exact"))
+        if auto is None:
+            continue
+        if exact is not None:
+            for name in names:
+                ratio = exact[f"{name}_s"] / auto[f"{name}_s"]
+                found.append(Target(f"{name} {dtype}: auto >= {AGENTS_SPEEDUP:g}x faster than exact", _x(ratio),
+                                    ratio >= AGENTS_SPEEDUP))
+        tf = auto.get("teacher_forced")
+        text = f"{dtype}: >= {AGENTS_FIRST_TOKEN:.0%} teacher-forced first-token agreement in auto over >= {need} turns"
+        if tf and tf.get("turns"):
+            found.append(Target(text, f"{_pct(tf['first_token'])} over {tf['turns']} turns",
+                                tf["first_token"] >= AGENTS_FIRST_TOKEN and tf["turns"] >= need))
+        else:
+            found.append(Target(text, "nothing: no teacher-forced pass in this run", False))
+        for name in names:
+            turns = [t for t in auto["run_detail"]["workloads"][name]["turns"] if t["index"] > 0]
+            share, n = _reuse_share(turns)
+            found.append(Target(f"{name} {dtype}: downstream agents reuse >= {AGENTS_REUSE:.0%} of their prompt tokens "
+                                "in auto", f"{_pct(share)} over {n} turns", share >= AGENTS_REUSE))
+    return found
+
+
 def _agents(rec: Record) -> tuple[str, list[Target]]:
+    by = {(r["dtype"], r["variant"]): r for r in rec["rows"]}
     parts = []
+    auto32, vllm, exact32 = by.get(("float32", "auto")), by.get(("float32", "vllm")), by.get(("float32", "exact"))
+    if auto32 is not None and vllm is not None and "debate_s" in auto32 and "debate_s" in vllm:
+        lead = f"debate fp32: auto {_x(vllm['debate_s'] / auto32['debate_s'])} faster than vLLM-CPU prefix caching"
+        if exact32 is not None:
+            lead += f", {_x(exact32['debate_s'] / auto32['debate_s'])} faster than exact"
+        tf = auto32.get("teacher_forced")
+        lead += (f"; {_pct(tf['first_token'])} teacher-forced first-token agreement over {tf['turns']} turns"
+                 if tf and tf.get("turns") else "; no teacher-forced pass")
+        parts.append(lead)
     for dtype in rec.get("dtypes") or sorted({r["dtype"] for r in rec["rows"]}):
         rows = [r for r in rec["rows"] if r["dtype"] == dtype]
         fast = [f"{r['variant']} {_x(r['speedup_vs_text'])}" for r in rows
                 if r["variant"] != "text" and r.get("speedup_vs_text")]
-        text = f"{dtype}: end-to-end vs text replay " + ", ".join(fast)
+        text = f"{dtype}: end-to-end vs text replay " + ", ".join(fast) if fast else f"{dtype}: no text replay"
         tf = [f"{r['variant']} {_pct(r['teacher_forced']['first_token'])} over {r['teacher_forced']['turns']} turns"
               for r in rows if r.get("teacher_forced")]
         if tf:
@@ -168,7 +237,7 @@ def _agents(rec: Record) -> tuple[str, list[Target]]:
         parts.append(text)
     if rec.get("skipped_variants"):
         parts.append("not run: " + ", ".join(rec["skipped_variants"]) + " (no reuse= keyword)")
-    return "; ".join(parts), []
+    return "; ".join(parts), _agents_targets(rec)
 
 
 HEADLINES: dict[str, Callable[[Record], tuple[str, list[Target]]]] = {

