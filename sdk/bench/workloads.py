@@ -18,7 +18,7 @@ of the document. Three workloads:
   planner's output and their own task, then a join agent gets the document and the 4 outputs (6 turns).
 
 The turn loop :func:`run_workload` takes ``generate_fn(agent_name, messages) -> text``, so the same
-loop drives kvbaton (``python -m kvbaton.bench agents``) and another engine (scripts/peer_vllm.py).
+loop drives kvbaton (``python -m kvbaton.bench agents``) and another engine (the `vllm` variant, through its OpenAI server).
 With ``teacher=`` (the outputs of a reference run) every turn gets the reference run's prompt instead
 of one built from this run's own outputs: a teacher-forced pass.
 
