@@ -21,6 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from . import prefill
 from .block_pool import BlockPool
 
 ATTN_IMPLEMENTATION = "kvbaton_paged"
@@ -107,6 +108,10 @@ def paged_attention_forward(
         q_end = seq.q_start + seq.q_len
         # query/key/value: [1, heads, packed_tokens, head_dim]; the model has already applied RoPE.
         pool.write(layer, seq.write_slots, key[0, :, seq.q_start : q_end], value[0, :, seq.q_start : q_end])
+        if seq.mask is None and (fused := prefill.attention(query[0, :, seq.q_start : q_end], pool, layer,
+                                                            seq.read_slots, scaling)) is not None:
+            outputs.append(fused)  # kvbaton's causal kernel over the pool (CPU, fp32): no read, no split
+            continue
         k, v = pool.read(layer, seq.read_slots)
         if seq.prefix:
             outputs.append(_prefix_then_causal(query[:, :, seq.q_start : q_end], k, v, seq.prefix, scaling))

@@ -209,6 +209,12 @@ def load_model(
         if key in _loaded:
             return _loaded[key]
         loaded = _load(name, path, _DTYPES[dtype], torch.device(device), attn_implementation)
+        from .attention import ATTN_IMPLEMENTATION
+
+        if attn_implementation == ATTN_IMPLEMENTATION:  # the engine's copy, not a plain reference model
+            from .prefill import install
+
+            install(loaded.model, loaded.device, loaded.dtype)
         _loaded[key] = loaded
         return loaded
 

@@ -156,6 +156,71 @@ def test_out_of_range_blocks_and_slots_are_refused_not_read(lib):
         lib.attention(q, k_pool, short_v, 0, tables, torch.tensor([20]), BLOCK, 0.125)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("cached", "new"), [(0, 1), (0, 37), (0, 300), (17, 33), (100, 300), (700, 2)])
+def test_prefill_attention_matches_causal_sdpa_over_paged_blocks(lib, dtype, head_dim, cached, new):
+    """A chunk of ``new`` tokens behind ``cached`` ones: query i sees keys 0..cached+i, through the slots."""
+    g = torch.Generator().manual_seed(cached + new + head_dim)
+    blocks = 80
+    k_pool = torch.randn(2, KV_HEADS, blocks * BLOCK, head_dim, generator=g).to(dtype)
+    v_pool = torch.randn(2, KV_HEADS, blocks * BLOCK, head_dim, generator=g).to(dtype)
+    total = cached + new
+    order = torch.randperm(blocks, generator=g)  # non-consecutive blocks
+    slots = (order[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:total].contiguous()
+    q = torch.randn(total, HEADS, head_dim, generator=g)[cached:].transpose(0, 1)  # [heads, new, d], strided
+    keys, values = k_pool[1][:, slots].float(), v_pool[1][:, slots].float()
+    mask = torch.arange(total)[None, :] <= torch.arange(cached, total)[:, None]
+    scale = head_dim**-0.5
+    expected = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=True)[0].transpose(0, 1)
+    got = lib.prefill_attention(q.transpose(0, 1), k_pool, v_pool, 1, slots, 0, total, scale)
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+    # Consecutive slots, given as a first slot instead of an index tensor.
+    first = 5 * BLOCK
+    consecutive = torch.arange(first, first + total)
+    expected = F.scaled_dot_product_attention(q[None], k_pool[1][:, consecutive].float()[None],
+                                              v_pool[1][:, consecutive].float()[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=True)[0].transpose(0, 1)
+    got = lib.prefill_attention(q.transpose(0, 1), k_pool, v_pool, 1, torch.empty(0, dtype=torch.long), first, total,
+                                scale)
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_prefill_attention_refuses_out_of_range_slots(lib):
+    k_pool, v_pool, _ = _paged(torch.float32, [20], blocks=4)
+    q = torch.zeros(3, HEADS, D)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        lib.prefill_attention(q, k_pool, v_pool, 0, torch.tensor([0, 1, 4 * BLOCK]), 0, 3, 0.125)
+    with pytest.raises(RuntimeError, match="slots out of range"):
+        lib.prefill_attention(q, k_pool, v_pool, 0, torch.empty(0, dtype=torch.long), 4 * BLOCK - 2, 3, 0.125)
+    with pytest.raises(RuntimeError, match="kv_len must cover the queries"):
+        lib.prefill_attention(q, k_pool, v_pool, 0, torch.empty(0, dtype=torch.long), 0, 2, 0.125)
+
+
+def test_rope_inplace_rotates_q_and_k_and_leaves_v(lib):
+    g = torch.Generator().manual_seed(7)
+    n = 150  # more rows than one thread's share
+    qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * D, generator=g)
+    angles = torch.rand(n, D // 2, generator=g) * 100
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    rotated = qkv.clone()
+    lib.rope_inplace(rotated, cos, sin, HEADS, KV_HEADS)
+    heads = qkv.view(n, HEADS + 2 * KV_HEADS, D)
+    expected = torch.cat([_rotate(heads[:, : HEADS + KV_HEADS], cos[:, None], sin[:, None]),
+                          heads[:, HEADS + KV_HEADS :]], dim=1)
+    torch.testing.assert_close(rotated.view_as(expected), expected)
+    assert torch.equal(rotated[:, (HEADS + KV_HEADS) * D :], qkv[:, (HEADS + KV_HEADS) * D :])
+
+
+def test_silu_mul_rows_are_bit_identical_alone_or_in_a_prefill(lib):
+    x = torch.randn(300, 2 * 1536, generator=torch.Generator().manual_seed(8)) * 4  # split across threads
+    many = lib.silu_mul(x)
+    torch.testing.assert_close(many, F.silu(x[:, :1536]) * x[:, 1536:], rtol=1e-5, atol=1e-5)
+    for i in (0, 77, 299):
+        assert torch.equal(many[i], lib.silu_mul(x[i : i + 1].contiguous())[0])
+
+
 @pytest.mark.unit
 def test_disabled_kernels_report_why_and_log_once(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_STATE", {})

@@ -1,0 +1,265 @@
+"""Prefill on CPU: the Hugging Face model's forward with fewer, larger kernels.
+
+A cold prefill of a few thousand tokens is arithmetic: the linear layers and the attention. The
+model's own modules spend it in small pieces — q, k and v as three matrix products, gate and up as
+two, RoPE as eight elementwise passes over q and k, ``silu(gate) * up`` as two more — and PyTorch's
+CPU flash attention reaches well under the matrix products' speed. :func:`install` patches the
+engine's model instance (never the class, never the reference model transformers loads separately):
+
+- q/k/v and gate/up are each one matrix product over the modules' weights concatenated (the modules'
+  ``weight`` become views of the concatenation: no extra memory for it), and every projection of the
+  decoder layers runs on a copy of its weight pre-packed for oneDNN (``torch.ops.mkldnn``), faster
+  than the default fp32 GEMM on large inputs; forwards of a few rows keep the plain weights;
+- RoPE rotates q and k in place in the fused product's output (one kvbaton kernel call), and
+  ``silu(gate) * up`` is one kernel call (:mod:`.kernels`);
+- the paged attention (:mod:`.attention`) of a chunk of new tokens is kvbaton's causal flash kernel
+  (:func:`attention`), reading K/V straight from the pool, the query heads of a GQA group sharing
+  every K/V tile, with no mask and no log-sum-exp merge for chunks behind cached tokens.
+
+The modules' structure, weights, norms, rotary cos/sin and attention scale all still come from the
+Hugging Face definition; a patched layer is checked against the original one at install time and
+not patched when they disagree. Results stay within float rounding of the unpatched forward (fp32:
+logits within 1e-4 of plain transformers, the same greedy tokens; ``tests/test_exactness.py``).
+The packed copy costs the size of the decoder layers' weights (424 MB for the default model in
+fp32), logged at install. ``KVBATON_FUSED_PREFILL=0`` switches all of it off; :func:`disabled`
+does so temporarily (profiling, tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels as kernel_library
+
+log = logging.getLogger(__name__)
+
+_OFF = ("0", "false", "off", "no")
+# oneDNN pays off from this many rows; below it (a decode step through the model's forward, the LM
+# head of one token) a packed weight is slower than the plain product.
+PACKED_MIN_ROWS = 16
+_PACK_BATCH = 512  # the batch size oneDNN packs the weights for
+_off = 0  # > 0 while inside disabled()
+_INSTALLED: set[int] = set()  # id() of patched models
+_LOCK = threading.Lock()
+_NO_SLOTS = torch.empty(0, dtype=torch.long)
+
+
+def _enabled() -> bool:
+    return _off == 0
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """While inside, every forward (any thread: the scheduler's too) runs the model's own modules and
+    PyTorch's attention, as without :func:`install` (A/B measurements, tests)."""
+    global _off
+    with _LOCK:
+        _off += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _off -= 1
+
+
+def _switched_off() -> bool:
+    return os.environ.get("KVBATON_FUSED_PREFILL", "1").lower() in _OFF
+
+
+class _Linear:
+    """``x W^T (+ b)`` over nn.Linear modules concatenated along the output (2-D ``x``)."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module], pack: bool) -> None:
+        weights = [m.weight.detach() for m in modules]
+        self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        self.bias = None
+        if any(m.bias is not None for m in modules):
+            self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(w.shape[0])
+                                   for m, w in zip(modules, weights)])
+        if len(modules) > 1:  # the modules keep working, on views of the concatenation
+            offset = 0
+            for m, w in zip(modules, weights):
+                m.weight = torch.nn.Parameter(self.weight[offset : offset + w.shape[0]], requires_grad=False)
+                if m.bias is not None:
+                    assert self.bias is not None
+                    m.bias = torch.nn.Parameter(self.bias[offset : offset + w.shape[0]], requires_grad=False)
+                offset += w.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_BATCH) if pack else None
+
+    @property
+    def packed_bytes(self) -> int:
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS and x.dtype == self.weight.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Layer:
+    """The fused pieces of one decoder layer and the forwards that use them."""
+
+    def __init__(self, layer: Any, config: Any, pack: bool, library: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn, self.mlp = attn, mlp
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.intermediate = mlp.gate_proj.out_features
+        self.library = library
+        self.qkv = _Linear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
+        self.o = _Linear([attn.o_proj], pack)
+        self.gate_up = _Linear([mlp.gate_proj, mlp.up_proj], pack)
+        self.down = _Linear([mlp.down_proj], pack)
+        self.original_attention = attn.forward
+        self.original_mlp = mlp.forward
+
+    def matrices(self) -> list[_Linear]:
+        return [self.qkv, self.o, self.gate_up, self.down]
+
+    def install(self) -> None:
+        self.attn.forward = self.attention_forward
+        self.mlp.forward = self.mlp_forward
+
+    def uninstall(self) -> None:
+        self.attn.forward = self.original_attention
+        self.mlp.forward = self.original_mlp
+
+    def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _enabled():
+            return self.original_mlp(x)
+        rows = x.reshape(-1, x.shape[-1])
+        gate_up = self.gate_up(rows)
+        if self.library is not None and gate_up.dtype == torch.float32:
+            hidden = self.library.silu_mul(gate_up)
+        else:
+            hidden = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        return self.down(hidden).view(*x.shape[:-1], -1)
+
+    def attention_forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        module = self.attn
+        if not _enabled() or cache is not None or position_embeddings is None or hidden_states.shape[0] != 1 \
+                or module.training:
+            return self.original_attention(hidden_states, position_embeddings=position_embeddings,
+                                           attention_mask=attention_mask, cache=cache, **kwargs)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        n = hidden_states.shape[1]
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv(hidden_states.reshape(n, -1))  # [n, (heads + 2 kv_heads) d], fresh: rotated in place
+        cos, sin = position_embeddings  # [1, n, d], the model's rotary embedding for these positions
+        if self.library is not None and qkv.dtype == torch.float32 and qkv.is_contiguous():
+            self.library.rope_inplace(qkv, cos[0].contiguous(), sin[0].contiguous(), heads, kv_heads)
+        else:  # the Hugging Face formula, q and k heads in one pass
+            qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
+            half = d // 2
+            c, s = cos[0, :, None], sin[0, :, None]
+            qk.copy_(qk * c + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * s)
+        query = qkv[:, : heads * d].view(1, n, heads, d).transpose(1, 2)
+        key = qkv[:, heads * d : (heads + kv_heads) * d].view(1, n, kv_heads, d).transpose(1, 2)
+        value = qkv[:, (heads + kv_heads) * d :].view(1, n, kv_heads, d).transpose(1, 2)
+        interface = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
+        out, weights = interface(module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling,
+                                 **kwargs)
+        out = out.reshape(n, -1)
+        return self.o(out if out.is_contiguous() else out.contiguous()).view(1, n, -1), weights
+
+
+def _why_not(model: Any, device: torch.device, dtype: torch.dtype) -> str | None:
+    from .fast_decode import unsupported_reason
+
+    if device.type != "cpu":
+        return f"no fused prefill on {device.type}"
+    reason = unsupported_reason(model)  # the same llama-family structure the fused decode step needs
+    if reason is not None:
+        return reason
+    layer = model.model.layers[0]
+    if not all(hasattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim",
+                                                            "scaling")):
+        return "attention modules without q/k/v/o projections"
+    return None
+
+
+def _agrees(model: Any, fused: _Layer) -> bool:
+    """The patched layer 0 gives the original's output on a small random input (this transformers version)."""
+    layer = model.model.layers[0]
+    g = torch.Generator().manual_seed(0)
+    dtype = layer.self_attn.q_proj.weight.dtype
+    positions = torch.arange(24)[None] + 5
+    with torch.inference_mode():
+        x = layer.input_layernorm(torch.randn(1, 24, model.config.hidden_size, generator=g).to(dtype))
+        cos_sin = model.model.rotary_emb(x, positions)
+        expected = (fused.original_attention(x, position_embeddings=cos_sin, attention_mask=None)[0],
+                    fused.original_mlp(x))
+        got = (fused.attention_forward(x, position_embeddings=cos_sin, attention_mask=None)[0], fused.mlp_forward(x))
+    # Rounding differs (other kernels, other summation orders); a wrong structure differs by O(1).
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    return all(a.shape == b.shape and (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+               for a, b in zip(got, expected))
+
+
+def install(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
+    """Patch this model instance's decoder layers for fused prefill (once); False when it does not apply."""
+    with _LOCK:
+        if id(model) in _INSTALLED:
+            return True
+        if _switched_off():
+            log.info("fused prefill switched off by KVBATON_FUSED_PREFILL")
+            return False
+        reason = _why_not(model, device, dtype)
+        if reason is not None:
+            log.info("fused prefill unavailable (%s): prefill runs the model's own modules", reason)
+            return False
+        from .fast_decode import packing_available
+
+        pack = packing_available(device, dtype) is None
+        library = kernel_library.load() if dtype == torch.float32 else None
+        with torch.no_grad():
+            layers = [_Layer(layer, model.config, pack, library) for layer in model.model.layers]
+        if not _agrees(model, layers[0]):
+            log.warning("fused prefill disagrees with this transformers version's modules: not used")
+            return False
+        for layer in layers:
+            layer.install()
+        _INSTALLED.add(id(model))
+        model._kvbaton_prefill = layers  # keeps them (and their packed weights) with the model
+        packed = sum(m.packed_bytes for layer in layers for m in layer.matrices())
+        log.info("fused prefill ready: %s projections%s, %.0f MiB of packed weights",
+                 "oneDNN-packed" if pack else "plain", " and kvbaton kernels" if library else "", packed / 2**20)
+        return True
+
+
+def attention(query: torch.Tensor, pool: Any, layer: int, read_slots: torch.Tensor | slice,
+              scaling: float | None) -> torch.Tensor | None:
+    """Causal attention of a chunk's queries ``[heads, q_len, d]`` over its K/V in the pool (``read_slots``:
+    its whole context, the chunk's own tokens last; query i sees the first ``kv_len - q_len + i + 1``);
+    ``[1, heads, q_len, d]``. None when kvbaton's kernel does not apply (the caller uses SDPA)."""
+    if not _enabled() or query.dtype != torch.float32 or query.device.type != "cpu" or query.shape[1] < 2:
+        return None
+    library = kernel_library.load()
+    if library is None:
+        return None
+    if isinstance(read_slots, slice):  # consecutive slots: no index tensor
+        slots, first, kv_len = _NO_SLOTS, read_slots.start, read_slots.stop - read_slots.start
+    else:
+        slots, first, kv_len = read_slots.contiguous(), 0, read_slots.numel()
+    d = query.shape[-1]
+    scale = scaling if scaling is not None else d**-0.5
+    out = library.prefill_attention(query.transpose(0, 1), pool.k, pool.v, layer, slots, first, kv_len, scale)
+    return out.transpose(0, 1).unsqueeze(0)
+
