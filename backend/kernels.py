@@ -67,8 +67,15 @@ def _disabled() -> bool:
     return os.environ.get("KVBATON_KERNELS", "1").lower() in _OFF
 
 
+def _openmp() -> list[str]:
+    """``-fopenmp`` where torch runs its threads on OpenMP: ``at::parallel_for`` is a header template, and
+    compiled without it every kernel's parallel loop runs on the calling thread alone. The library then
+    needs ``libgomp.so.1``, which torch has already loaded (its own copy): one OpenMP runtime, one pool."""
+    return ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
+
+
 def _cflags() -> list[str]:
-    flags = ["-O3", "-march=native", "-fno-math-errno"]
+    flags = ["-O3", "-march=native", "-fno-math-errno", *_openmp()]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-mprefer-vector-width=512")  # else GCC splits bf16 widening into 256-bit halves
     return flags
@@ -102,6 +109,7 @@ def _build() -> ModuleType:
         name=f"kvbaton_decode_{key}",
         sources=[str(source)],
         extra_cflags=_cflags(),
+        extra_ldflags=_openmp(),
         build_directory=str(directory),
         verbose=False,
     )
