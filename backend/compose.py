@@ -392,7 +392,7 @@ class Composer:
         ours = self._ops.resume(handle, "", greedy)
         self._ops.release(ours.handle)  # type: ignore[arg-type]
         q = torch.log_softmax(self.logits_along(handle, dense_tokens[:-1]), dim=-1)
-        kl = (p.exp() * (p - q)).sum(dim=-1)
+        kl = (p.exp() * (p - q)).sum(dim=-1).clamp_min(0.0)  # >= 0; identical distributions give float noise
         agree = common_prefix_length(ours.token_ids, dense_tokens)
         return Fidelity(
             tokens=max_tokens,

@@ -158,11 +158,13 @@ def test_approximate_kv_never_reaches_the_prefix_cache(engine, reference):
 def test_fidelity_of_exact_and_rotated_handles(engine):
     sys_a, sys_b, doc = system(engine, SYSTEM_A), system(engine, SYSTEM_B), shared_doc(engine, 7, 96)
     suffix = engine.tokenize(QUESTION)
+    a = engine.materialize(sys_a + doc)
+    # Composed before the dense handle exists: the prefix cache would hold the segment exactly.
+    rotated = engine.compose(sys_b, [a.segment(len(sys_a), len(sys_a) + len(doc))], suffix, mode="rotate")
+    assert rotated.segments[0].outcome == "rotated"
     dense = engine.materialize(sys_b + doc + suffix)
     same = engine.fidelity(dense, 6)
     assert same.first_token_agrees and same.greedy_agreement == 1.0 and abs(same.kl_mean) < 1e-4
-    a = engine.materialize(sys_a + doc)
-    rotated = engine.compose(sys_b, [a.segment(len(sys_a), len(sys_a) + len(doc))], suffix, mode="rotate")
     report = engine.fidelity(rotated.handle, 6, reference=dense)
     assert 0 <= report.greedy_agreement <= 1 and report.kl_mean >= 0 and len(report.dense_token_ids) == 6
     assert report.dense_token_ids == same.dense_token_ids
