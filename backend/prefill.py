@@ -10,8 +10,8 @@ engine's model instance (never the class, never the reference model transformers
   ``weight`` become views of the concatenation: no extra memory for it), and every projection of the
   decoder layers runs on a copy of its weight pre-packed for oneDNN (``torch.ops.mkldnn``), faster
   than the default fp32 GEMM on large inputs; forwards of a few rows keep the plain weights;
-- RoPE rotates q and k in place in the fused product's output (one kvbaton kernel call), and
-  ``silu(gate) * up`` is one kernel call (:mod:`.kernels`);
+- RoPE rotates q and k in place in the fused product's output, ``silu(gate) * up`` and each RMSNorm
+  are one pass of a kvbaton kernel each (:mod:`.kernels`), threaded over the rows;
 - the paged attention (:mod:`.attention`) of a chunk of new tokens is kvbaton's causal flash kernel
   (:func:`attention`), reading K/V straight from the pool, the query heads of a GQA group sharing
   every K/V tile, with no mask and no log-sum-exp merge for chunks behind cached tokens.
@@ -104,6 +104,27 @@ class _Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+class _Norm:
+    """An RMSNorm module's forward as one kernel call (fp32): one pass over the rows, not five."""
+
+    def __init__(self, module: torch.nn.Module, library: Any) -> None:
+        self.module, self.library = module, library
+        self.original = module.forward
+
+    def install(self) -> None:
+        self.module.forward = self
+
+    def uninstall(self) -> None:
+        self.module.forward = self.original
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.module.weight
+        if not _enabled() or self.library is None or x.dtype != torch.float32 or weight.dtype != torch.float32:
+            return self.original(x)
+        rows = x.reshape(-1, x.shape[-1])
+        return self.library.rms_norm_rows(rows.contiguous(), weight, self.module.variance_epsilon).view(x.shape)
+
+
 class _Layer:
     """The fused pieces of one decoder layer and the forwards that use them."""
 
@@ -121,6 +142,7 @@ class _Layer:
         self.down = _Linear([mlp.down_proj], pack)
         self.original_attention = attn.forward
         self.original_mlp = mlp.forward
+        self.norms = [_Norm(layer.input_layernorm, library), _Norm(layer.post_attention_layernorm, library)]
 
     def matrices(self) -> list[_Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
@@ -128,10 +150,14 @@ class _Layer:
     def install(self) -> None:
         self.attn.forward = self.attention_forward
         self.mlp.forward = self.mlp_forward
+        for norm in self.norms:
+            norm.install()
 
     def uninstall(self) -> None:
         self.attn.forward = self.original_attention
         self.mlp.forward = self.original_mlp
+        for norm in self.norms:
+            norm.uninstall()
 
     def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _enabled():
@@ -202,11 +228,13 @@ def _agrees(model: Any, fused: _Layer) -> bool:
     dtype = layer.self_attn.q_proj.weight.dtype
     positions = torch.arange(24)[None] + 5
     with torch.inference_mode():
-        x = layer.input_layernorm(torch.randn(1, 24, model.config.hidden_size, generator=g).to(dtype))
+        hidden = torch.randn(1, 24, model.config.hidden_size, generator=g).to(dtype) * 3
+        x = layer.input_layernorm(hidden)
         cos_sin = model.model.rotary_emb(x, positions)
         expected = (fused.original_attention(x, position_embeddings=cos_sin, attention_mask=None)[0],
-                    fused.original_mlp(x))
-        got = (fused.attention_forward(x, position_embeddings=cos_sin, attention_mask=None)[0], fused.mlp_forward(x))
+                    fused.original_mlp(x), fused.norms[0].original(hidden))
+        got = (fused.attention_forward(x, position_embeddings=cos_sin, attention_mask=None)[0], fused.mlp_forward(x),
+               fused.norms[0](hidden))
     # Rounding differs (other kernels, other summation orders); a wrong structure differs by O(1).
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     return all(a.shape == b.shape and (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
@@ -236,8 +264,11 @@ def install(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
             return False
         for layer in layers:
             layer.install()
+        final = _Norm(model.model.norm, library)
+        final.install()
         _INSTALLED.add(id(model))
         model._kvbaton_prefill = layers  # keeps them (and their packed weights) with the model
+        model._kvbaton_prefill_norm = final
         packed = sum(m.packed_bytes for layer in layers for m in layer.matrices())
         log.info("fused prefill ready: %s projections%s, %.0f MiB of packed weights",
                  "oneDNN-packed" if pack else "plain", " and kvbaton kernels" if library else "", packed / 2**20)
