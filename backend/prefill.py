@@ -6,10 +6,9 @@ two, RoPE as eight elementwise passes over q and k, ``silu(gate) * up`` as two m
 CPU flash attention reaches well under the matrix products' speed. :func:`install` patches the
 engine's model instance (never the class, never the reference model transformers loads separately):
 
-- q/k/v and gate/up are each one matrix product over the modules' weights concatenated (the modules'
-  ``weight`` become views of the concatenation: no extra memory for it), and every projection of the
-  decoder layers runs on a copy of its weight pre-packed for oneDNN (``torch.ops.mkldnn``), faster
-  than the default fp32 GEMM on large inputs; forwards of a few rows keep the plain weights;
+- q/k/v and gate/up are each one matrix product, and every projection of the decoder layers runs on
+  a copy of its (concatenated) weights pre-packed once for oneDNN (``torch.ops.mkldnn``), faster
+  than the default fp32 GEMM on large inputs; forwards of a few rows use the modules' own weights;
 - RoPE rotates q and k in place in the fused product's output, ``silu(gate) * up`` and each RMSNorm
   are one pass of a kvbaton kernel each (:mod:`.kernels`), threaded over the rows;
 - the paged attention (:mod:`.attention`) of a chunk of new tokens is kvbaton's causal flash kernel
@@ -75,33 +74,34 @@ def _switched_off() -> bool:
 
 
 class _Linear:
-    """``x W^T (+ b)`` over nn.Linear modules concatenated along the output (2-D ``x``)."""
+    """``x W^T (+ b)`` over nn.Linear modules concatenated along the output (2-D ``x``): one product on a
+    oneDNN-packed copy of the concatenated weights for many rows, the modules' own weights otherwise."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], pack: bool) -> None:
+        self.modules = list(modules)
         weights = [m.weight.detach() for m in modules]
-        self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        self.dtype = weights[0].dtype
         self.bias = None
         if any(m.bias is not None for m in modules):
             self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(w.shape[0])
                                    for m, w in zip(modules, weights)])
-        if len(modules) > 1:  # the modules keep working, on views of the concatenation
-            offset = 0
-            for m, w in zip(modules, weights):
-                m.weight = torch.nn.Parameter(self.weight[offset : offset + w.shape[0]], requires_grad=False)
-                if m.bias is not None:
-                    assert self.bias is not None
-                    m.bias = torch.nn.Parameter(self.bias[offset : offset + w.shape[0]], requires_grad=False)
-                offset += w.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_BATCH) if pack else None
+        # Only the packed copy is kept: the concatenation is a temporary (the modules' weights may be
+        # views of one storage holding the whole checkpoint, so new plain copies would not replace them).
+        self.packed = None
+        if pack:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights) if len(weights) > 1 else weights[0],
+                                                                  _PACK_BATCH)
 
     @property
     def packed_bytes(self) -> int:
         return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS and x.dtype == self.weight.dtype:
+        if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS and x.dtype == self.dtype:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if len(self.modules) == 1:
+            return F.linear(x, self.modules[0].weight, self.modules[0].bias)
+        return torch.cat([F.linear(x, m.weight, m.bias) for m in self.modules], dim=-1)
 
 
 class _Norm:
