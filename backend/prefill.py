@@ -6,23 +6,23 @@ two, RoPE as eight elementwise passes over q and k, ``silu(gate) * up`` as two m
 CPU flash attention reaches well under the matrix products' speed. :func:`install` patches the
 engine's model instance (never the class, never the reference model transformers loads separately):
 
-- q/k/v and gate/up are each one matrix product over the modules' weights concatenated (the modules'
-  ``weight`` become views of the concatenation: no extra memory for it), and every projection of the
-  decoder layers runs on a copy of its weight pre-packed for oneDNN (``torch.ops.mkldnn``), faster
-  than the default fp32 GEMM on large inputs; forwards of a few rows keep the plain weights;
-- RoPE rotates q and k in place in the fused product's output (one kvbaton kernel call), and
-  ``silu(gate) * up`` is one kernel call (:mod:`.kernels`);
+- q/k/v and gate/up are each one matrix product, and every projection of the decoder layers runs on
+  a copy of its (concatenated) weights pre-packed once for oneDNN (``torch.ops.mkldnn``), faster
+  than the default fp32 GEMM on large inputs; forwards of a few rows use the modules' own weights;
+- RoPE rotates q and k in place in the fused product's output, ``silu(gate) * up`` and each RMSNorm
+  are one pass of a kvbaton kernel each (:mod:`.kernels`), threaded over the rows;
 - the paged attention (:mod:`.attention`) of a chunk of new tokens is kvbaton's causal flash kernel
   (:func:`attention`), reading K/V straight from the pool, the query heads of a GQA group sharing
   every K/V tile, with no mask and no log-sum-exp merge for chunks behind cached tokens.
 
 The modules' structure, weights, norms, rotary cos/sin and attention scale all still come from the
 Hugging Face definition; a patched layer is checked against the original one at install time and
-not patched when they disagree. Results stay within float rounding of the unpatched forward (fp32:
-logits within 1e-4 of plain transformers, the same greedy tokens; ``tests/test_exactness.py``).
-The packed copy costs the size of the decoder layers' weights (424 MB for the default model in
-fp32), logged at install. ``KVBATON_FUSED_PREFILL=0`` switches all of it off; :func:`disabled`
-does so temporarily (profiling, tests).
+not patched when they disagree. Results stay within float rounding of the unpatched forward (logits
+within 1e-4 of plain transformers, the same greedy tokens: ``tests/test_exactness.py``,
+``tests/test_prefill.py``). fp32 only: in bf16, transformers' linears already run on oneDNN and the
+kernels are fp32 (measured no faster). The packed copy costs the size of the decoder layers' weights
+(405 MiB for the default model), logged at install. ``KVBATON_FUSED_PREFILL=0`` switches all of it
+off; :func:`disabled` does so temporarily (profiling, tests).
 """
 
 from __future__ import annotations
@@ -75,33 +75,55 @@ def _switched_off() -> bool:
 
 
 class _Linear:
-    """``x W^T (+ b)`` over nn.Linear modules concatenated along the output (2-D ``x``)."""
+    """``x W^T (+ b)`` over nn.Linear modules concatenated along the output (2-D ``x``): one product on a
+    oneDNN-packed copy of the concatenated weights for many rows, the modules' own weights otherwise."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], pack: bool) -> None:
+        self.modules = list(modules)
         weights = [m.weight.detach() for m in modules]
-        self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        self.dtype = weights[0].dtype
         self.bias = None
         if any(m.bias is not None for m in modules):
             self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(w.shape[0])
                                    for m, w in zip(modules, weights)])
-        if len(modules) > 1:  # the modules keep working, on views of the concatenation
-            offset = 0
-            for m, w in zip(modules, weights):
-                m.weight = torch.nn.Parameter(self.weight[offset : offset + w.shape[0]], requires_grad=False)
-                if m.bias is not None:
-                    assert self.bias is not None
-                    m.bias = torch.nn.Parameter(self.bias[offset : offset + w.shape[0]], requires_grad=False)
-                offset += w.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_BATCH) if pack else None
+        # Only the packed copy is kept: the concatenation is a temporary (the modules' weights may be
+        # views of one storage holding the whole checkpoint, so new plain copies would not replace them).
+        self.packed = None
+        if pack:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights) if len(weights) > 1 else weights[0],
+                                                                  _PACK_BATCH)
 
     @property
     def packed_bytes(self) -> int:
         return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS and x.dtype == self.weight.dtype:
+        if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS and x.dtype == self.dtype:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if len(self.modules) == 1:
+            return F.linear(x, self.modules[0].weight, self.modules[0].bias)
+        return torch.cat([F.linear(x, m.weight, m.bias) for m in self.modules], dim=-1)
+
+
+class _Norm:
+    """An RMSNorm module's forward as one kernel call (fp32): one pass over the rows, not five."""
+
+    def __init__(self, module: torch.nn.Module, library: Any) -> None:
+        self.module, self.library = module, library
+        self.original = module.forward
+
+    def install(self) -> None:
+        self.module.forward = self
+
+    def uninstall(self) -> None:
+        self.module.forward = self.original
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.module.weight
+        if not _enabled() or self.library is None or x.dtype != torch.float32 or weight.dtype != torch.float32:
+            return self.original(x)
+        rows = x.reshape(-1, x.shape[-1])
+        return self.library.rms_norm_rows(rows.contiguous(), weight, self.module.variance_epsilon).view(x.shape)
 
 
 class _Layer:
@@ -121,6 +143,7 @@ class _Layer:
         self.down = _Linear([mlp.down_proj], pack)
         self.original_attention = attn.forward
         self.original_mlp = mlp.forward
+        self.norms = [_Norm(layer.input_layernorm, library), _Norm(layer.post_attention_layernorm, library)]
 
     def matrices(self) -> list[_Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
@@ -128,10 +151,14 @@ class _Layer:
     def install(self) -> None:
         self.attn.forward = self.attention_forward
         self.mlp.forward = self.mlp_forward
+        for norm in self.norms:
+            norm.install()
 
     def uninstall(self) -> None:
         self.attn.forward = self.original_attention
         self.mlp.forward = self.original_mlp
+        for norm in self.norms:
+            norm.uninstall()
 
     def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _enabled():
@@ -185,6 +212,9 @@ def _why_not(model: Any, device: torch.device, dtype: torch.dtype) -> str | None
 
     if device.type != "cpu":
         return f"no fused prefill on {device.type}"
+    if dtype != torch.float32:
+        # transformers' bf16 linears already run on oneDNN, and the kernels are fp32: measured no faster.
+        return f"{dtype} prefill already runs oneDNN's kernels"
     reason = unsupported_reason(model)  # the same llama-family structure the fused decode step needs
     if reason is not None:
         return reason
@@ -202,13 +232,15 @@ def _agrees(model: Any, fused: _Layer) -> bool:
     dtype = layer.self_attn.q_proj.weight.dtype
     positions = torch.arange(24)[None] + 5
     with torch.inference_mode():
-        x = layer.input_layernorm(torch.randn(1, 24, model.config.hidden_size, generator=g).to(dtype))
+        hidden = torch.randn(1, 24, model.config.hidden_size, generator=g).to(dtype) * 3
+        x = layer.input_layernorm(hidden)
         cos_sin = model.model.rotary_emb(x, positions)
         expected = (fused.original_attention(x, position_embeddings=cos_sin, attention_mask=None)[0],
-                    fused.original_mlp(x))
-        got = (fused.attention_forward(x, position_embeddings=cos_sin, attention_mask=None)[0], fused.mlp_forward(x))
+                    fused.original_mlp(x), fused.norms[0].original(hidden))
+        got = (fused.attention_forward(x, position_embeddings=cos_sin, attention_mask=None)[0], fused.mlp_forward(x),
+               fused.norms[0](hidden))
     # Rounding differs (other kernels, other summation orders); a wrong structure differs by O(1).
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    tol = 1e-4
     return all(a.shape == b.shape and (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
                for a, b in zip(got, expected))
 
@@ -228,7 +260,7 @@ def install(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
         from .fast_decode import packing_available
 
         pack = packing_available(device, dtype) is None
-        library = kernel_library.load() if dtype == torch.float32 else None
+        library = kernel_library.load()
         with torch.no_grad():
             layers = [_Layer(layer, model.config, pack, library) for layer in model.model.layers]
         if not _agrees(model, layers[0]):
@@ -236,8 +268,11 @@ def install(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
             return False
         for layer in layers:
             layer.install()
+        final = _Norm(model.model.norm, library)
+        final.install()
         _INSTALLED.add(id(model))
         model._kvbaton_prefill = layers  # keeps them (and their packed weights) with the model
+        model._kvbaton_prefill_norm = final
         packed = sum(m.packed_bytes for layer in layers for m in layer.matrices())
         log.info("fused prefill ready: %s projections%s, %.0f MiB of packed weights",
                  "oneDNN-packed" if pack else "plain", " and kvbaton kernels" if library else "", packed / 2**20)

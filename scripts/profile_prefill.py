@@ -21,7 +21,9 @@ Development tool, not a published benchmark. It
 
 With ``--unfused``, the breakdown, torch profile and check are also done with the fusions off.
 
-Prints medians (and min/max) of each variant and the load average before and after.
+Prints medians (and min/max) of each variant, the load average per round, and for every run the share
+of the CPUs other processes used meanwhile (from /proc/stat, steal included); with enough quiet runs,
+the medians of those alone.
 
     .venv/bin/python scripts/profile_prefill.py --repeats 5 --breakdown --check
 """
@@ -60,6 +62,34 @@ def prompt_tokens(engine: Any, n: int) -> list[int]:
 
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _busy_ticks() -> tuple[int, int]:
+    """(every CPU's busy ticks incl. steal, this process's ticks) from /proc; (0, 0) where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0, 0
+    return sum(fields) - fields[3] - fields[4], int(own[11]) + int(own[12])  # minus idle, iowait; utime + stime
+
+
+class Others:
+    """Share of the machine's CPUs other processes (and the hypervisor: steal) used during a block."""
+
+    def __enter__(self) -> Others:
+        self.start, self.busy = time.perf_counter(), _busy_ticks()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        busy, own = _busy_ticks()
+        wall = time.perf_counter() - self.start
+        self.share = max(0.0, (busy - self.busy[0] - (own - self.busy[1])) / _TICK / (wall * (os.cpu_count() or 1)))
 
 
 @contextlib.contextmanager
@@ -169,6 +199,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: CPU time of the process (with --threads 1: the work done, robust to other load)")
+    parser.add_argument("--quiet", type=float, default=0.10,
+                        help="also report medians of the runs during which other processes used less than this "
+                             "share of the CPUs (default 0.10)")
     parser.add_argument("--breakdown", action="store_true", help="time categories of one engine prefill")
     parser.add_argument("--torch-profile", type=int, default=0, metavar="N", help="top N torch ops of one prefill")
     parser.add_argument("--check", action="store_true", help="engine vs transformers last-token logits")
@@ -199,6 +232,12 @@ def main() -> None:
     from kvbaton.backend import prefill
 
     def run(variant: str) -> float:
+        with Others() as others:
+            elapsed = run_once(variant)
+        shares[variant].append(others.share)
+        return elapsed
+
+    def run_once(variant: str) -> float:
         if variant == "hf":
             start = clock()
             with torch.inference_mode():
@@ -215,8 +254,9 @@ def main() -> None:
 
     print(f"prompt: {n} tokens; variants: {', '.join(variants)}")
     for v in variants:  # warm-up (allocator, oneDNN primitives)
-        run(v)
+        run_once(v)
     times: dict[str, list[float]] = {v: [] for v in variants}
+    shares: dict[str, list[float]] = {v: [] for v in variants}
     loads = [load()]
     for r in range(args.repeats):
         order = variants if r % 2 == 0 else variants[::-1]
@@ -228,7 +268,16 @@ def main() -> None:
     for v in variants:
         ts = times[v]
         med = statistics.median(ts)
-        print(f"  {v:15s} median {med:6.3f} s  [{min(ts):.3f}-{max(ts):.3f}]  {n / med:6.1f} tok/s")
+        print(f"  {v:15s} median {med:6.3f} s  [{min(ts):.3f}-{max(ts):.3f}]  {n / med:6.1f} tok/s; "
+              f"other processes' CPU share per run: {' '.join(f'{x:.0%}' for x in shares[v])}")
+    quiet = {v: [t for t, x in zip(times[v], shares[v]) if x < args.quiet] for v in variants}
+    if all(len(q) >= 3 for q in quiet.values()):
+        print(f"  runs during which other processes used < {args.quiet:.0%} of the CPUs:")
+        for v in variants:
+            med = statistics.median(quiet[v])
+            print(f"  {v:15s} median {med:6.3f} s  [{min(quiet[v]):.3f}-{max(quiet[v]):.3f}] of {len(quiet[v])} runs")
+    else:
+        print(f"  (fewer than 3 runs of some variant had other processes under {args.quiet:.0%} of the CPUs)")
     if "hf" in times:
         for v in variants:
             if v != "hf":

@@ -213,6 +213,13 @@ def test_rope_inplace_rotates_q_and_k_and_leaves_v(lib):
     assert torch.equal(rotated[:, (HEADS + KV_HEADS) * D :], qkv[:, (HEADS + KV_HEADS) * D :])
 
 
+def test_rms_norm_rows_matches_the_hugging_face_formula(lib):
+    g = torch.Generator().manual_seed(9)
+    x, weight = torch.randn(300, 576, generator=g) * 5, torch.randn(576, generator=g)
+    expected = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(lib.rms_norm_rows(x, weight, 1e-5), expected)
+
+
 def test_silu_mul_rows_are_bit_identical_alone_or_in_a_prefill(lib):
     x = torch.randn(300, 2 * 1536, generator=torch.Generator().manual_seed(8)) * 4  # split across threads
     many = lib.silu_mul(x)

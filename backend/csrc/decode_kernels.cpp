@@ -78,6 +78,8 @@ inline vf vexp(vf x) {
   return under ? splat(0.f) : y;
 }
 
+inline float hsum_tree(vf v);
+
 template <typename T> T* ptr(const torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
 // The K and V pools: contiguous [layers, kv_heads, slots, d], one shape and dtype for both.
@@ -313,6 +315,28 @@ torch::Tensor rope_write(const torch::Tensor& qkv, const torch::Tensor& cos, con
                     d, pool_slots, ptr<float>(q));
   }
   return q;
+}
+
+// RMSNorm of many rows (prefill): the sum of squares in 16 lanes (a tree at the end), rows split across
+// threads. It rounds a little differently from rms_norm (one sequential sum), which decode keeps.
+torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "norm weight");
+  TORCH_CHECK(x.dim() == 2 && w.numel() == x.size(1) && x.size(1) % kLanes == 0, "norm shapes");
+  const int64_t n = x.size(0), h = x.size(1);
+  auto y = torch::empty_like(x);
+  const float* wp = ptr<float>(w);
+  at::parallel_for(0, n, kParallelRows, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const float* xr = ptr<float>(x) + r * h;
+      float* yr = ptr<float>(y) + r * h;
+      vf ss = {};
+      for (int64_t i = 0; i < h; i += kLanes) { const vf v = load(xr + i); ss += v * v; }
+      const float inv = 1.f / std::sqrt(hsum_tree(ss) / static_cast<float>(h) + static_cast<float>(eps));
+      for (int64_t i = 0; i < h; i += kLanes) store(yr + i, load(wp + i) * (load(xr + i) * inv));
+    }
+  });
+  return y;
 }
 
 // Rotate the q and k heads of every row of qkv = [q heads | k heads | v heads] in place (Hugging Face
@@ -731,6 +755,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "rotate q/k, write k/v into the pool, return rotated q");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("attention", &attention, "decode attention over paged K/V");
+  m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of many rows, vectorized and threaded (prefill)");
   m.def("rope_inplace", &rope_inplace, "rotate the q and k heads of qkv rows in place");
   m.def("prefill_attention", &prefill_attention, "causal attention of new tokens over paged K/V");
 }
