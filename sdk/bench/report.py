@@ -98,7 +98,10 @@ def staleness(rec: Record, root: Path) -> str:
 
 def provenance(rec: Record, stale: str) -> str:
     git = rec.get("git") or {}
-    return f"run `{rec['run_id']}`, commit `{git.get('short') or '?'}`{stale}"
+    load = rec.get("load") or {}
+    busy = (f"; **load above the {load.get('cores')} cores during the run (highest 1-minute load "
+            f"{load.get('max_1min_during')}): times suspect**" if load.get("overloaded") else "")
+    return f"run `{rec['run_id']}`, commit `{git.get('short') or '?'}`{stale}{busy}"
 
 
 def _mib(value: int | None) -> str:
