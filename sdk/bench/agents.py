@@ -47,7 +47,7 @@ interpreter on 127.0.0.1, stopped when the benchmark ends, also on Ctrl-C), on t
 (a copy re-keyed where vLLM needs it: :func:`vllm_checkpoint`), fp32 only. It runs the same workloads
 turn by turn through ``POST /v1/completions`` with the prompt as the token ids of
 ``client.chat_tokens(messages)`` (vLLM's own chat rendering is checked against them, and recorded),
-greedy, EOS ignored, after the same warm-up request; every workload starts with
+greedy, EOS ignored, after the same ~2.4K-token warm-up request; every workload starts with
 ``POST /reset_prefix_cache`` (the server's dev mode). Its reused share is vLLM's
 ``usage.prompt_tokens_details.cached_tokens``; its seconds include the HTTP round trip (the record
 keeps vLLM's own per-request timings beside them). It takes part in the alternating repeats like the
@@ -76,7 +76,7 @@ from kvbaton import SamplingParams
 from kvbaton.bench import record
 from kvbaton.bench.common import alternating, format_table
 from kvbaton.bench.spread import cell, measured
-from kvbaton.bench.workloads import WARMUP_PROMPT, WARMUP_TOKENS, WORKLOADS, Workload, build, run_workload
+from kvbaton.bench.workloads import WARMUP_TOKENS, WORKLOADS, Workload, build, run_workload, warmup_prompt
 from tqdm.auto import tqdm
 
 KVBATON_VARIANTS = ("exact", "auto", "rotate", "text")
@@ -118,12 +118,12 @@ def supports_reuse(client: Any) -> bool:
     return True
 
 
-def connect(dtype: str, prefix_cache: bool) -> Any:
+def connect(dtype: str, prefix_cache: bool, quick: bool = False) -> Any:
     """An embedded client of ``dtype``, warmed up with the shared warm-up request."""
     import kvbaton
 
     client = kvbaton.connect(dtype=dtype, kv_budget=KV_BUDGET, prefix_cache=prefix_cache)
-    warm = client.complete(WARMUP_PROMPT, sampling=SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True))
+    warm = client.complete(warmup_prompt(quick), sampling=SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True))
     client.release(warm.handle)
     return client
 
@@ -654,8 +654,8 @@ def _run_dtype(dtype: str, names: Sequence[str], repeats: int, tf_passes: int, m
                variants: Sequence[str], peer_config: PeerConfig | None) -> dict[str, Any]:
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     use_vllm = peer_config is not None and "vllm" in variants and dtype == VLLM_DTYPE
-    cached = connect(dtype, prefix_cache=True)
-    plain = connect(dtype, prefix_cache=False) if "text" in variants else None
+    cached = connect(dtype, prefix_cache=True, quick=quick)
+    plain = connect(dtype, prefix_cache=False, quick=quick) if "text" in variants else None
     peer: VllmPeer | None = None
     record.watch_kv(f"engine {dtype}", record.pool_bytes(cached.engine))
     if plain is not None:
@@ -675,7 +675,7 @@ def _run_dtype(dtype: str, names: Sequence[str], repeats: int, tf_passes: int, m
                   flush=True)
             peer_info = dict(peer.start())
             print(f"agents: vLLM {peer_info['version']} ready in {peer_info['startup_s']:.0f} s", flush=True)
-            peer.warm_up(cached.tokenize(WARMUP_PROMPT), WARMUP_TOKENS)
+            peer.warm_up(cached.tokenize(warmup_prompt(quick)), WARMUP_TOKENS)
             peer_info["same_prompt_ids_as_kvbaton"] = same_rendering(peer, cached, base)
             peer_info["server_cpu_s_during_kvbaton"] = 0.0
             peer_info["kvbaton_variants_s"] = 0.0
@@ -896,7 +896,7 @@ def peer_notes(payload: dict[str, Any]) -> list[str]:
     lines = [
         f"vllm: vLLM {peer.get('version')} (CPU build, torch {peer.get('torch')}), its OpenAI-compatible server started "
         f"by this run: `{' '.join(server)}` with {env}; {VLLM_DTYPE} only; ready in {peer['startup_s']:.0f} s "
-        "(not counted); prompts are kvbaton's `chat_tokens` ids, greedy, EOS ignored, after the same warm-up request; "
+        "(not counted); prompts are kvbaton's `chat_tokens` ids, greedy, EOS ignored, after the same ~2.4K-token warm-up request; "
         "vLLM's own rendering of the same chats gives " + ("the same ids" if same and all(same.values()) else
                                                             f"**different ids** ({same})"),
         f"vllm: cold start: {peer.get('cold_start')}",
