@@ -159,7 +159,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> Report:
     try:
         with LocalServer(client, agents, keep_handles=kv) as server:
             if kv:
-                app = wrap(build_app(args.max_tokens), base_url=server.url)  # <- the one line
+                app = wrap(build_app(args.max_tokens), base_url=server.url, redirect_openai=True)  # <- the one line
             else:
                 os.environ["OPENAI_BASE_URL"] = server.url + "/v1"  # <- or only this, no kvbaton features
                 app = build_app(args.max_tokens)
