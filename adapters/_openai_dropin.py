@@ -28,7 +28,6 @@ hints and agent registrations go to it through a plain kvbaton HTTP client (:fun
 
 from __future__ import annotations
 
-import os
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -38,17 +37,9 @@ import httpx
 
 from ._langchain_model import ACTIVE_RUN
 from ._langgraph_models import OPENAI_BASE, normalize_base_url
+from .core import is_openai_key
 
 __all__ = ["CURRENT_CALL", "OPENAI_BASE", "CallTag", "control_client", "install", "normalize_base_url"]
-
-
-def _openai_key(authorization: str | None) -> bool:
-    """Whether an ``Authorization`` header carries an OpenAI API key."""
-    if not authorization:
-        return False
-    key = authorization.removeprefix("Bearer ").strip()
-    env = os.environ.get("OPENAI_API_KEY")
-    return key.startswith("sk-") or (bool(env) and key == env)
 
 
 @dataclass
@@ -81,7 +72,7 @@ def _target(request: Any) -> tuple[Any, CallTag | None] | None:
     token = getattr(wrapper, "token", None)
     if token:
         request.headers["authorization"] = f"Bearer {token}"
-    elif redirected or _openai_key(request.headers.get("authorization")):
+    elif redirected or is_openai_key(request.headers.get("authorization")):
         request.headers.pop("authorization", None)  # the app's OpenAI key is OpenAI's business, not the server's
     tag = CURRENT_CALL.get()
     if tag is not None and tag.agent:

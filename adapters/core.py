@@ -589,6 +589,16 @@ def _close_opened() -> None:
             pass
 
 
+def is_openai_key(key: str | None) -> bool:
+    """Whether ``key`` (a bare key or an ``Authorization`` value) is an OpenAI API key: ``sk-...`` or
+    ``$OPENAI_API_KEY``. Adapters never send one to a kvbaton server."""
+    if not key:
+        return False
+    key = key.removeprefix("Bearer ").strip()
+    env = os.environ.get("OPENAI_API_KEY")
+    return key.startswith("sk-") or (bool(env) and key == env)
+
+
 def default_target(base_url: str | None = None) -> str:
     """Where an adapter object given no client connects: ``base_url``, else ``$KVBATON_URL``, else
     the embedded engine (``"embedded"``). A URL is given without a trailing ``/v1``."""
@@ -680,6 +690,7 @@ __all__ = [
     "compact_handle",
     "default_target",
     "handle_tokens",
+    "is_openai_key",
     "iterate_in_thread",
     "leading_system",
     "parse_tool_calls",
