@@ -180,7 +180,8 @@ class KvbatonChatModel(BaseChatModel):
 
     client: Any = Field(default=None, description="A kvbaton Client or AsyncClient; default: a shared connection "
                         "to base_url, $KVBATON_URL or the embedded engine.")
-    base_url: str | None = Field(default=None, description="A kvbaton serve URL (default: $KVBATON_URL, else embedded).")
+    base_url: str | None = Field(default=None,
+                                 description="A kvbaton serve URL (default: $KVBATON_URL, else embedded).")
     api_key: SecretStr | None = Field(default=None, description="The kvbaton server's token (default: $KVBATON_TOKEN).")
     model_name: str | None = Field(default=None, alias="model",
                                    description="The served model (default: the engine's); embedded: the model to load.")
@@ -214,6 +215,10 @@ class KvbatonChatModel(BaseChatModel):
         if self.model_name is None:
             self.model_name = served_model(self.client)
         return self
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "KVBATON_TOKEN"}  # LangChain serialization never writes the token
 
     @property
     def _llm_type(self) -> str:

@@ -375,7 +375,9 @@ async def arank_for_prompt(
     client: Any, candidates: Sequence[H], messages: Sequence[Any], *, tools: Any = None
 ) -> list[H]:
     tokens = await acall(client, "chat_tokens", messages, tools=tools) if len(candidates) > 1 else None
-    return await asyncio.to_thread(rank_handles, candidates, tokens, client) if tokens else rank_handles(candidates, tokens)
+    if tokens is None:
+        return rank_handles(candidates, tokens)
+    return await asyncio.to_thread(rank_handles, candidates, tokens, client)  # may ask the engine for lineages
 
 
 def run_with_handle(
@@ -556,7 +558,9 @@ def register_connection(
             _connections[(target, model, None)] = client
 
 
-def shared_connection(target: str = "embedded", model: str | None = None, token: str | None = None) -> Client | AsyncClient:
+def shared_connection(
+    target: str = "embedded", model: str | None = None, token: str | None = None
+) -> Client | AsyncClient:
     """The process-wide connection for ``(target, model, token)`` (``target``: ``"embedded"`` or a
     ``kvbaton serve`` URL), opened with ``kvbaton.connect`` on first use and closed at exit."""
     with _connections_lock:

@@ -167,7 +167,8 @@ class _Run(BaseCallbackHandler):
             return
         agent = self.agent(metadata)
         if not self.wrapper.base_url:
-            name = (serialized or {}).get("id", ["a chat model"])[-1] if isinstance(serialized, Mapping) else "a chat model"
+            ids = serialized.get("id") if isinstance(serialized, Mapping) else None
+            name = ids[-1] if isinstance(ids, list) and ids else "a chat model"
             raise InvalidRequest(
                 f"node {agent!r} called {name}, which this wrap() cannot route through kvbaton: use KvbatonChatModel, "
                 "or give wrap() base_url=<kvbaton serve URL> (or set KVBATON_URL) for an OpenAI-SDK model"
@@ -598,9 +599,9 @@ def _route(models: list[FoundModel], base_url: str | None, redirect_openai: bool
         first = openai[0]
         if len(targets) > 1 or first.base_url == OPENAI_BASE:
             raise InvalidRequest(
-                f"wrap(app): node {first.node!r} calls {first.name} at {first.base_url}, not a kvbaton server: pass "
-                "wrap(app, base_url=<kvbaton serve URL>, redirect_openai=True) (or set KVBATON_URL), or build the model "
-                "with base_url=<kvbaton serve URL>, or use KvbatonChatModel"
+                f"wrap(app): node {first.node!r} calls {first.name} at {first.base_url}, not a kvbaton server: "
+                "pass wrap(app, base_url=<kvbaton serve URL>, redirect_openai=True) (or set KVBATON_URL), or build "
+                "the model with base_url=<kvbaton serve URL>, or use KvbatonChatModel"
             )
         base = first.base_url
         _check_server(base, token, first)
@@ -609,9 +610,9 @@ def _route(models: list[FoundModel], base_url: str | None, redirect_openai: bool
             continue
         if found.base_url == OPENAI_BASE:
             raise InvalidRequest(
-                f"wrap(app): node {found.node!r} calls {found.name} at {OPENAI_BASE}: pass redirect_openai=True to send "
-                f"its calls to the kvbaton server at {base} (its OpenAI key is not sent there), or build the model "
-                f"with base_url={base!r}"
+                f"wrap(app): node {found.node!r} calls {found.name} at {OPENAI_BASE}: pass redirect_openai=True to "
+                f"send its calls to the kvbaton server at {base} (its OpenAI key is not sent there), or build the "
+                f"model with base_url={base!r}"
             )
         raise InvalidRequest(
             f"wrap(app): node {found.node!r} calls {found.name} at {found.base_url}, not the kvbaton server at {base}"
