@@ -581,8 +581,9 @@ def _reset(token: Any) -> None:
 def _route(models: list[FoundModel], base_url: str | None, redirect_openai: bool, token: str | None) -> str | None:
     """Where mode 2 sends the app's OpenAI-SDK calls (a ``/v1`` URL), or None when every chat model
     found runs on kvbaton already; InvalidRequest when a model cannot be routed, naming what is
-    missing. ``base_url`` defaults to ``$KVBATON_URL``; without either, the URL the app's OpenAI
-    models already use is taken if it is a kvbaton server (one ``capabilities`` call)."""
+    missing. ``base_url`` defaults to ``$KVBATON_URL`` (unless only KvbatonChatModels were found);
+    without either, the URL the app's OpenAI models already use is taken if it is a kvbaton server
+    (one ``capabilities`` call)."""
     given = base_url or os.environ.get("KVBATON_URL")
     base = normalize_base_url(given) if given else None
     for found in models:
@@ -593,7 +594,8 @@ def _route(models: list[FoundModel], base_url: str | None, redirect_openai: bool
             )
     openai = [f for f in models if f.kind == "openai"]
     if not openai:
-        return base
+        # $KVBATON_URL alone does not divert an app whose KvbatonChatModels say where they run
+        return base if base_url or not any(f.kind == "kvbaton" for f in models) else None
     if base is None:
         targets = {f.base_url for f in openai}
         first = openai[0]
