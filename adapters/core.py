@@ -551,34 +551,36 @@ def register_connection(
     """Make ``client`` the connection that adapter objects naming ``(target, model)`` attach to in this
     process (``load_component`` of an ``"embedded"`` config then reuses this engine instead of loading
     another). ``None`` forgets the registered connection (it is not closed: it is the caller's)."""
+    key = (target, model if target == "embedded" else None, None)  # a server's model is its own
     with _connections_lock:
         if client is None:
-            _connections.pop((target, model, None), None)
+            _connections.pop(key, None)
         else:
-            _connections[(target, model, None)] = client
+            _connections[key] = client
 
 
 def shared_connection(
     target: str = "embedded", model: str | None = None, token: str | None = None
 ) -> Client | AsyncClient:
     """The process-wide connection for ``(target, model, token)`` (``target``: ``"embedded"`` or a
-    ``kvbaton serve`` URL), opened with ``kvbaton.connect`` on first use and closed at exit."""
+    ``kvbaton serve`` URL), opened with ``kvbaton.connect`` on first use and closed at exit. A server
+    chose its model: there ``model`` is only checked (``ModelNotFound`` when it serves another), and
+    one connection per URL and token serves every model object naming it."""
+    embedded = target == "embedded"
+    key = (target, model if embedded else None, token)
     with _connections_lock:
-        client = _connections.get((target, model, token))
+        client = _connections.get(key)
         if client is None:
             from kvbaton.client import connect
 
-            if target == "embedded":
-                client = connect(model=model)
-            else:  # a server chose its model: a named one must be the one it serves
-                client = connect(target, token=token)
-                served = served_model(client, default="")
-                if model is not None and served != model:
-                    client.close()
-                    raise ModelNotFound(f"the kvbaton server at {target} serves {served!r}, not {model!r}")
-            _connections[(target, model, token)] = client
+            client = connect(model=model) if embedded else connect(target, token=token)
+            _connections[key] = client
             _opened.append(client)
-        return client
+    if not embedded and model is not None:
+        served = served_model(client, default="")
+        if served != model:
+            raise ModelNotFound(f"the kvbaton server at {target} serves {served!r}, not {model!r}")
+    return client
 
 
 _opened: list[Any] = []  # the connections this module opened (registered ones are their callers')

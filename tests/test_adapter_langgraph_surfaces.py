@@ -281,3 +281,21 @@ def test_messages_carry_compact_handles_that_the_next_agent_reuses(kv: Any) -> N
                              HumanMessage("And the docs?")])
         assert second.usage_metadata["input_token_details"]["cache_read"] >= ref["handle"]["num_tokens"] - 2
     assert abs(sizes[0] - sizes[1]) <= 8 and max(sizes) < 1024  # bounded, whatever the context
+
+
+def test_chat_model_from_kvbaton_url_or_base_url(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbaton.errors import ModelNotFound
+
+    monkeypatch.setenv("KVBATON_URL", server.url)
+    llm = KvbatonChatModel(max_tokens=2)  # like ChatOpenAI reading OPENAI_BASE_URL
+    try:
+        assert llm.client.base_url == server.url and llm.model_name == MODEL
+        assert KvbatonChatModel(base_url=f"{server.url}/v1", model=MODEL).client is llm.client  # one connection
+        reply = llm.invoke([HumanMessage("Say hi.")])
+        assert reply.response_metadata["model_name"] == MODEL
+        llm.client.release(reply.additional_kwargs[KVBATON_KEY]["handle"]["id"])  # the server is shared
+        with pytest.raises(ModelNotFound, match="serves"):
+            KvbatonChatModel(base_url=server.url, model="another-model")
+    finally:
+        core.register_connection(None, server.url)
+        llm.client.close()
