@@ -47,6 +47,7 @@ class CallTag:
     agent: str | None
     handle: str | None = None
     exact: bool | None = None  # from X-Kvbaton-Approximate (whole answers); None: not known (a stream)
+    reached: bool = False  # a request of this call went to the kvbaton server
 
 
 CURRENT_CALL: ContextVar[CallTag | None] = ContextVar("kvbaton_openai_call", default=None)
@@ -75,8 +76,10 @@ def _target(request: Any) -> tuple[Any, CallTag | None] | None:
     elif redirected or is_openai_key(request.headers.get("authorization")):
         request.headers.pop("authorization", None)  # the app's OpenAI key is OpenAI's business, not the server's
     tag = CURRENT_CALL.get()
-    if tag is not None and tag.agent:
-        request.headers["x-kvbaton-agent"] = tag.agent
+    if tag is not None:
+        tag.reached = True
+        if tag.agent:
+            request.headers["x-kvbaton-agent"] = tag.agent
     session = getattr(run, "session", None)
     if session:
         request.headers["x-kvbaton-session"] = session

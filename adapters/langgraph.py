@@ -184,7 +184,7 @@ class _Run(BaseCallbackHandler):
         if tag is None:
             return
         CURRENT_CALL.set(None)
-        if tag.handle is None:
+        if not tag.reached:
             log.warning("kvbaton: the chat model call of node %r did not reach the kvbaton server at %s",
                         tag.agent, self.wrapper.base_url)
         for generations in getattr(response, "generations", ()):

@@ -132,7 +132,8 @@ def relay(server: Any) -> Iterator[Relay]:
     r.close()
 
 
-def test_mode2_routes_without_the_openai_key_and_tags_sessions(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mode2_routes_without_the_openai_key_and_tags_sessions(relay: Relay, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     langchain_openai = pytest.importorskip("langchain_openai")
     for var in ("KVBATON_URL", "KVBATON_TOKEN", "OPENAI_BASE_URL", "OPENAI_API_BASE"):
         monkeypatch.delenv(var, raising=False)
@@ -155,6 +156,9 @@ def test_mode2_routes_without_the_openai_key_and_tags_sessions(relay: Relay, mon
     app.invoke({"messages": [HumanMessage("Name a bird.")]})
     sessions = {h["x-kvbaton-session"] for h in relay.chat_requests()[4:]}
     assert len(sessions) == 1 and not sessions & {"t-1", "t-2"}
+    # streamed calls reach the server too (their handle comes later): no "did not reach" warning
+    list(app.stream({"messages": [HumanMessage("Name a stone.")]}, stream_mode="messages"))
+    assert "did not reach" not in caplog.text
 
 
 def test_mode2_sends_the_kvbaton_token_and_adopts_the_models_own_server(
