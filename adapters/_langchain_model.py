@@ -1,9 +1,12 @@
 """``KvbatonChatModel``: a langchain-core chat model backed by any kvbaton client.
 
 It is the LLM half of the LangGraph adapter (:mod:`kvbaton.adapters.langgraph`) and also works on
-its own. Every AIMessage it produces carries its KV handle in ``additional_kwargs["kvbaton"]``; a
-later call whose prompt contains such messages passes one of their handles, so the engine reuses
-that KV for the longest common token prefix instead of prefilling the text again. This module is
+its own, built like ``ChatOpenAI``: ``KvbatonChatModel()`` (the embedded engine, or ``$KVBATON_URL``),
+``KvbatonChatModel(base_url=..., api_key=..., model=...)``, or on a client (``client=``). Every
+AIMessage it produces carries a compact reference to its KV handle in ``additional_kwargs["kvbaton"]``
+(no lineage: a bounded size whatever the context); a later call whose prompt contains such messages
+passes one of their handles, so the engine reuses that KV for the longest common token prefix
+instead of prefilling the text again. Tokens are counted with the served model's tokenizer. This module is
 the LangChain glue (messages, callbacks, chunks); the choice of that handle, the tool-call
 convention, agent registration and sync/async dispatch are :mod:`kvbaton.adapters.core`'s. See
 docs/langgraph.md.
@@ -34,12 +37,15 @@ from langchain_core.messages import (
 from langchain_core.messages.tool import tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, SecretStr, model_validator
 
 from .core import (
     aregister_fixed_prompt,
     arank_for_prompt,
     arun_with_handle,
+    call,
+    compact_handle,
+    default_target,
     iterate_in_thread,
     parse_tool_calls,
     rank_for_prompt,
@@ -47,6 +53,8 @@ from .core import (
     render_tool_calls,
     reuse_report,
     run_with_handle,
+    served_model,
+    shared_connection,
     sync_client,
     tool_result,
     with_tool_prompt,
@@ -55,7 +63,8 @@ from .core import (
 log = logging.getLogger("kvbaton.adapters.langchain")
 
 KVBATON_KEY = "kvbaton"
-"""Key of ``AIMessage.additional_kwargs`` that holds ``{"handle": <Handle as JSON dict>, "agent": str}``."""
+"""Key of ``AIMessage.additional_kwargs`` that holds ``{"handle": <compact handle reference>, "agent": str}``
+(:func:`kvbaton.adapters.core.compact_handle`: the handle's JSON without its lineage)."""
 
 # -- agent identity ---------------------------------------------------------------------------------
 
@@ -63,12 +72,16 @@ KVBATON_KEY = "kvbaton"
 ACTIVE_RUN: ContextVar[Any] = ContextVar("kvbaton_langgraph_run", default=None)
 
 
-def agent_from_metadata(metadata: Mapping[str, Any] | None) -> str | None:
+def agent_from_metadata(metadata: Mapping[str, Any] | None, base: str = "") -> str | None:
     """The agent a LangGraph call belongs to: the outermost node of its checkpoint namespace
-    (``outer:task|inner:task`` -> ``outer``), so calls inside subgraphs count for the outer node."""
+    (``outer:task|inner:task`` -> ``outer``), so calls inside subgraphs count for the outer node.
+    ``base``: the namespace of the graph whose nodes are the agents (a wrapped graph running as a
+    node of another: ``outer:task``), stripped first."""
     if not metadata:
         return None
     ns = metadata.get("langgraph_checkpoint_ns")
+    if isinstance(ns, str) and base and ns.startswith(base + "|"):
+        ns = ns[len(base) + 1:]
     if isinstance(ns, str) and ns:
         return ns.split("|", 1)[0].split(":", 1)[0] or None
     node = metadata.get("langgraph_node")
@@ -140,23 +153,38 @@ def _first_valid(ranked: Sequence[dict[str, Any]]) -> Handle | None:
 
 
 class KvbatonChatModel(BaseChatModel):
-    """A chat model on a kvbaton client (embedded or HTTP; :class:`kvbaton.Client` or
-    :class:`kvbaton.AsyncClient`). Greedy by default.
+    """A chat model on kvbaton (alias :data:`ChatKvbaton`). Greedy by default.
+
+    Where it runs: ``client`` (a :class:`kvbaton.Client` or :class:`kvbaton.AsyncClient`, the
+    caller's), else ``base_url`` (a ``kvbaton serve`` URL, with ``api_key`` its token, default
+    ``$KVBATON_TOKEN``), else ``$KVBATON_URL``, else the embedded engine; the last three are
+    process-wide connections (:func:`kvbaton.adapters.core.shared_connection`) shared by every model
+    naming the same target. ``model`` is the served model (embedded: the checkpoint to load;
+    default: the server's or kvbaton's default model); ``model_name`` reports it.
 
     - tags each call with its agent: ``agent`` if set, else the LangGraph node running it (the
       outermost node for calls inside subgraphs);
     - registers each agent's fixed prompt (leading system messages) on its first call;
     - puts ``{"handle": ..., "agent": ...}`` on every AIMessage's ``additional_kwargs["kvbaton"]``
-      and passes the best handle found on the prompt's messages (``pass_handles=False`` disables it);
+      (a compact reference: id, fingerprints, length — no lineage) and passes the best handle found
+      on the prompt's messages (``pass_handles=False`` disables it);
+    - counts tokens with kvbaton's tokenizer (``get_num_tokens``, ``get_token_ids``,
+      ``get_num_tokens_from_messages``: the chat template's tokens), so ``trim_messages`` works;
     - reuses, by default (``reuse="auto"``), also spans other agents computed behind their own
       system prompt; ``response_metadata["kvbaton"]`` says how each reply was served (``exact``,
       tokens reused / approximate / prefilled, the spans placed);
     - ``usage_metadata.input_token_details.cache_read`` = prompt tokens whose KV was reused exactly.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
-    client: Any = Field(description="A kvbaton Client or AsyncClient.")
+    client: Any = Field(default=None, description="A kvbaton Client or AsyncClient; default: a shared connection "
+                        "to base_url, $KVBATON_URL or the embedded engine.")
+    base_url: str | None = Field(default=None,
+                                 description="A kvbaton serve URL (default: $KVBATON_URL, else embedded).")
+    api_key: SecretStr | None = Field(default=None, description="The kvbaton server's token (default: $KVBATON_TOKEN).")
+    model_name: str | None = Field(default=None, alias="model",
+                                   description="The served model (default: the engine's); embedded: the model to load.")
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -173,7 +201,24 @@ class KvbatonChatModel(BaseChatModel):
         "(response_metadata['kvbaton']['exact'] is False); 'exact' keeps greedy output identical to dense prefill; "
         "None: the engine's or server's default. A call may override it (invoke(..., reuse='exact')).",
     )
-    model_name: str = "kvbaton"
+
+    @model_validator(mode="after")
+    def _connect(self) -> KvbatonChatModel:
+        if self.client is None:
+            target = default_target(self.base_url)
+            token = self.api_key.get_secret_value() if self.api_key is not None else None
+            if target == "embedded" and token is not None:
+                raise ValueError("api_key is the token of a kvbaton server: give base_url (or $KVBATON_URL) with it")
+            self.client = shared_connection(target, self.model_name, token)
+        elif self.base_url is not None or self.api_key is not None:
+            raise ValueError("give either client or base_url/api_key, not both: the client already says where it runs")
+        if self.model_name is None:
+            self.model_name = served_model(self.client)
+        return self
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "KVBATON_TOKEN"}  # LangChain serialization never writes the token
 
     @property
     def _llm_type(self) -> str:
@@ -194,6 +239,23 @@ class KvbatonChatModel(BaseChatModel):
         or ``"auto"``."""
         formatted = [convert_to_openai_tool(t) for t in tools]
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    # -- token counting ---------------------------------------------------------------------------
+    # kvbaton's own tokenizer, never LangChain's GPT-2 fallback (a download, and another model's counts).
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The token ids of ``text`` with the served model's tokenizer (no special tokens added)."""
+        return list(call(self.client, "tokenize", text))
+
+    def get_num_tokens(self, text: str) -> int:
+        return len(self.get_token_ids(text))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """Tokens of ``messages`` as the model reads them: the chat template's rendering (tool calls
+        and results in the adapters' convention, ``tools`` in the system prompt), without the
+        generation prompt."""
+        chat = with_tool_prompt(to_chat(messages), [convert_to_openai_tool(t) for t in tools or ()])
+        return len(call(self.client, "chat_tokens", chat, add_generation_prompt=False))
 
     # -- request building -------------------------------------------------------------------------
 
@@ -223,7 +285,8 @@ class KvbatonChatModel(BaseChatModel):
         metadata = getattr(run_manager, "metadata", None) if run_manager is not None else None
         candidates = [h for m in messages if (h := _handle_data(m)) is not None] if self.pass_handles else []
         return {"chat": with_tool_prompt(to_chat(messages), tools), "candidates": candidates,
-                "agent": self.agent or agent_from_metadata(metadata), "tool_names": names, "forced": forced,
+                "agent": self.agent or agent_from_metadata(metadata, getattr(ACTIVE_RUN.get(), "base_ns", "")),
+                "tool_names": names, "forced": forced,
                 "sampling": self._sampling(stop, kwargs), "reuse": kwargs.get("reuse", self.reuse)}
 
     def _message(self, req: dict[str, Any], result: Any, chunk: bool = False) -> AIMessage:
@@ -234,7 +297,7 @@ class KvbatonChatModel(BaseChatModel):
             calls = [tool_call(name=c.name, args=c.arguments, id=c.id) for c in parsed]
         timings = result.timings
         prompt_tokens = timings.tokens_reused + timings.tokens_prefilled
-        kv: dict[str, Any] = {"handle": result.handle.model_dump(mode="json")}
+        kv: dict[str, Any] = {"handle": compact_handle(result.handle)}
         if req["agent"]:
             kv["agent"] = req["agent"]
         report = reuse_report(result)
@@ -350,4 +413,7 @@ class KvbatonChatModel(BaseChatModel):
         yield self._final(req, stream.result)
 
 
-__all__ = ["KVBATON_KEY", "KvbatonChatModel", "agent_from_metadata", "handle_of", "to_chat"]
+ChatKvbaton = KvbatonChatModel
+"""The conventional LangChain name (``ChatOpenAI``, ``ChatAnthropic``...) of :class:`KvbatonChatModel`."""
+
+__all__ = ["KVBATON_KEY", "ChatKvbaton", "KvbatonChatModel", "agent_from_metadata", "handle_of", "to_chat"]

@@ -5,9 +5,15 @@ Inside a run of a graph wrapped with ``wrap(app, base_url=...)``:
 - each chat-model call is tagged with its agent: the wrapper's callback sets :data:`CURRENT_CALL`
   on ``on_chat_model_start`` (same context as the call), and a patched ``httpx``/``httpx2`` send adds
   ``X-Kvbaton-Agent: <node>`` to requests that go to ``base_url``;
-- requests to ``https://api.openai.com/v1`` are redirected to ``base_url`` (``redirect_openai``), so an
-  app that never set a base URL reaches the kvbaton server too; with ``token`` their
-  ``Authorization`` becomes the kvbaton token;
+- with ``redirect_openai=True`` (opt-in), requests to ``https://api.openai.com/v1`` are redirected to
+  ``base_url``, so an app that never set a base URL reaches the kvbaton server too;
+- the app's OpenAI credentials never reach the kvbaton server: a request to ``base_url`` carries
+  the kvbaton ``token`` (``wrap(token=...)``, default ``$KVBATON_TOKEN``) as its ``Authorization``,
+  or, without one, no ``Authorization`` at all when the request was redirected or its key is an
+  OpenAI key (``$OPENAI_API_KEY``, or any ``sk-...`` key); a key the app deliberately set for the
+  server (``ChatOpenAI(base_url=<server>, api_key=<kvbaton token>)``) is kept;
+- every request carries ``X-Kvbaton-Session: <thread_id>`` (a per-invocation id without one), so the
+  server keeps each session's retained handles apart (``app.batch`` of two threads never collide);
 - with ``wrap(..., reuse=...)`` the requests carry ``X-Kvbaton-Reuse`` (else the server's ``--reuse``
   decides);
 - the handle id the server returns (``X-Kvbaton-Handle``) is put on the AIMessage as
@@ -30,8 +36,10 @@ from typing import Any
 import httpx
 
 from ._langchain_model import ACTIVE_RUN
+from ._langgraph_models import OPENAI_BASE, normalize_base_url
+from .core import is_openai_key
 
-OPENAI_BASE = "https://api.openai.com/v1"
+__all__ = ["CURRENT_CALL", "OPENAI_BASE", "CallTag", "control_client", "install", "normalize_base_url"]
 
 
 @dataclass
@@ -39,6 +47,7 @@ class CallTag:
     agent: str | None
     handle: str | None = None
     exact: bool | None = None  # from X-Kvbaton-Approximate (whole answers); None: not known (a stream)
+    reached: bool = False  # a request of this call went to the kvbaton server
 
 
 CURRENT_CALL: ContextVar[CallTag | None] = ContextVar("kvbaton_openai_call", default=None)
@@ -54,17 +63,26 @@ def _target(request: Any) -> tuple[Any, CallTag | None] | None:
     if not base:
         return None
     url = str(request.url)
+    redirected = False
     if getattr(wrapper, "redirect_openai", False) and url.startswith(OPENAI_BASE) and not base.startswith(OPENAI_BASE):
         request.url = type(request.url)(base + url[len(OPENAI_BASE):])
         request.headers["host"] = request.url.netloc.decode("ascii")
-        if wrapper.token:
-            request.headers["authorization"] = f"Bearer {wrapper.token}"
-        url = str(request.url)
+        url, redirected = str(request.url), True
     if not url.startswith(base):
         return None
+    token = getattr(wrapper, "token", None)
+    if token:
+        request.headers["authorization"] = f"Bearer {token}"
+    elif redirected or is_openai_key(request.headers.get("authorization")):
+        request.headers.pop("authorization", None)  # the app's OpenAI key is OpenAI's business, not the server's
     tag = CURRENT_CALL.get()
-    if tag is not None and tag.agent:
-        request.headers["x-kvbaton-agent"] = tag.agent
+    if tag is not None:
+        tag.reached = True
+        if tag.agent:
+            request.headers["x-kvbaton-agent"] = tag.agent
+    session = getattr(run, "session", None)
+    if session:
+        request.headers["x-kvbaton-session"] = session
     reuse = getattr(wrapper, "reuse", None)
     if reuse and "x-kvbaton-reuse" not in request.headers:
         request.headers["x-kvbaton-reuse"] = reuse
@@ -115,12 +133,6 @@ def install() -> None:
         else:
             _patch(httpx2)
         _installed = True
-
-
-def normalize_base_url(base_url: str) -> str:
-    """``http://host:8470`` or ``http://host:8470/v1`` -> ``http://host:8470/v1``."""
-    base = base_url.rstrip("/")
-    return base if base.endswith("/v1") else base + "/v1"
 
 
 def control_client(base_url: str, token: str | None = None, timeout: float = 10.0) -> Any:

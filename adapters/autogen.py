@@ -1,8 +1,12 @@
 """AutoGen (autogen-agentchat 0.7) adapter: kvbaton under existing agents and teams.
 
-``instrument(agent_or_team)`` swaps every ``AssistantAgent``'s model client for a
-:class:`KvbatonChatCompletionClient` tagged with the agent's name, registers the agent's system
-message as its fixed prompt, extracts the team's Agent Step Graph (GraphFlow, RoundRobinGroupChat,
+``instrument(agent_or_team)`` puts each ``AssistantAgent``'s model calls on kvbaton, keeping the
+user's client and its settings unless told otherwise: a :class:`KvbatonChatCompletionClient` keeps its
+engine and settings (tagged with the agent's name); an ``OpenAIChatCompletionClient`` pointed at a
+``kvbaton serve`` server becomes a kvbaton client on that server with its sampling settings; with
+``client=`` every model client moves to that kvbaton client, settings carried over. Every change is
+logged and listed (``obj.kvbaton.changes``); nothing on kvbaton at all is an error. It registers
+the agent's system message as its fixed prompt, extracts the team's Agent Step Graph (GraphFlow, RoundRobinGroupChat,
 SelectorGroupChat, Swarm), sends steps-to-execution hints before every turn, and stamps each reply's
 ``metadata["kvbaton_handle"]`` (and ``kvbaton_exact``: ``"false"`` for a reply served from
 approximately reused K/V, see ``KvbatonChatCompletionClient(reuse=...)``). ``@agent`` does the same for an AssistantAgent factory.
@@ -14,6 +18,9 @@ ends, each model client releases what it created but its latest reply's handle (
 next turn reuses), and handles other kvbaton calls made during the run are released
 (:mod:`kvbaton.adapters.ownership`); ``client.keep(handle)`` keeps one.
 
+Instrumentation survives ``dump_component`` / ``load_component``: an instrumented object dumps as an
+:class:`Instrumented` component that loads the original back and instruments it again.
+
 See docs/autogen.md.
 """
 
@@ -23,14 +30,18 @@ import asyncio
 import functools
 import inspect
 import logging
+import os
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any, TypeVar
 
 from autogen_agentchat.base import ChatAgent, Response
 from autogen_agentchat.messages import BaseChatMessage
+from autogen_core import Component, ComponentBase, ComponentLoader, ComponentModel
 from kvbaton.client import AsyncClient, Client
+from kvbaton.errors import InvalidRequest
 from kvbaton.stepgraph import StepGraph
+from pydantic import BaseModel, Field
 
 from .autogen_client import (
     METADATA_KEY,
@@ -45,7 +56,7 @@ from .autogen_client import (
     target_of,
     tool_schema,
 )
-from .core import HintSender, reuse_report
+from .core import HintSender, default_target, is_openai_key, reuse_report
 from .ownership import aend_run, run_scope
 
 logger = logging.getLogger("kvbaton.adapters.autogen")
@@ -219,6 +230,8 @@ class Instrumentation:
     hint_sender: HintSender = field(init=False, repr=False)
     runs: int = 0
     """Runs in progress (``team.run`` runs ``team.run_stream``: only the outermost ends the scope)."""
+    changes: list[str] = field(default_factory=list)
+    """What :func:`instrument` changed or left alone, one line per model client (also logged)."""
 
     def __post_init__(self, send_hints: bool) -> None:
         # False: hints are only logged; a client without hints() turns it off by itself
@@ -315,27 +328,73 @@ def stamp(message: BaseChatMessage, handle_id: str, result: Any = None) -> None:
         logger.debug("could not stamp %r", message, exc_info=True)
 
 
-def _resolve_client(obj: Any, client: Client | AsyncClient | str | None) -> Client | AsyncClient:
+SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+"""Settings of a foreign model client's configuration that a kvbaton model client takes over."""
+
+
+def _config(model_client: Any) -> dict[str, Any]:
+    try:
+        return dict(model_client.dump_component().config)
+    except Exception:  # noqa: BLE001 - a client that cannot dump itself has no settings to carry
+        return {}
+
+
+def _settings(model_client: Any) -> dict[str, Any]:
+    config = _config(model_client)
+    return {k: config[k] for k in SETTINGS if config.get(k) is not None}
+
+
+def _secret(value: Any) -> str | None:
+    value = value.get_secret_value() if hasattr(value, "get_secret_value") else value
+    return value if isinstance(value, str) and value else None
+
+
+def _kvbaton_server(model_client: Any) -> Client | None:
+    """The kvbaton server an OpenAI-SDK model client is pointed at, as a kvbaton client (its key is
+    the token unless it is an OpenAI key; ``$KVBATON_TOKEN`` first), or None when it points
+    elsewhere (``api.openai.com``, another server) — asked with one ``capabilities`` call."""
+    config = _config(model_client)
+    base = config.get("base_url")
+    if not isinstance(base, str) or not base.startswith(("http://", "https://")) or "api.openai.com" in base:
+        return None
+    key = _secret(config.get("api_key"))
+    token = os.environ.get("KVBATON_TOKEN") or (key if key and not is_openai_key(key) else None)
+    try:
+        backend = shared_connection(default_target(base), None, token)
+        backend.capabilities()
+    except Exception as exc:  # noqa: BLE001 - not a kvbaton server (or down): the client is left alone
+        logger.debug("%s is not a kvbaton server: %s", base, exc)
+        return None
+    return backend  # type: ignore[return-value]
+
+
+def _plan(
+    existing: Any, backend: Client | AsyncClient | None, agent: str, options: dict[str, Any]
+) -> tuple[KvbatonChatCompletionClient | None, str]:
+    """What instrument() does with one model client: the kvbaton model client to use (None: keep
+    ``existing``) and the line that says so. ``backend``: the client given to instrument()."""
+    name = type(existing).__name__
+    if isinstance(existing, KvbatonChatCompletionClient):
+        own = backend if backend is not None else existing.kvbaton_client
+        config = {**existing.dump_component().config, **options, "agent": agent, "target": target_of(own)}
+        moved = "" if own is existing.kvbaton_client else f", moved to {target_of(own)}"
+        return KvbatonChatCompletionClient(own, **config), f"{agent}: KvbatonChatCompletionClient kept{moved}"
+    if backend is None:
+        backend = _kvbaton_server(existing)
+        if backend is None:
+            return None, f"{agent}: {name} kept as it is (not on kvbaton: pass client= to replace it)"
+    settings = {**_settings(existing), **options}
+    kept = ", ".join(f"{k}={v!r}" for k, v in settings.items()) or "no settings"
+    return (KvbatonChatCompletionClient(backend, agent=agent, **settings),
+            f"{agent}: {name} replaced by KvbatonChatCompletionClient on {target_of(backend)} ({kept})")
+
+
+def _resolve_client(client: Client | AsyncClient | str | None) -> Client | AsyncClient | None:
     if isinstance(client, Client | AsyncClient):
         return client
     if isinstance(client, str):
         return shared_connection(client)
-    members = [obj, *_participants(obj)]
-    for member in members:
-        existing = getattr(member, "_model_client", None)
-        if isinstance(existing, KvbatonChatCompletionClient):
-            return existing.kvbaton_client
-    return shared_connection("embedded")
-
-
-def _kv_model_client(
-    existing: Any, backend: Client | AsyncClient, agent: str, options: dict[str, Any]
-) -> KvbatonChatCompletionClient:
-    if isinstance(existing, KvbatonChatCompletionClient):
-        config = existing.dump_component().config
-        config = {**config, **options, "agent": agent, "target": target_of(backend)}
-        return KvbatonChatCompletionClient(backend, **config)
-    return KvbatonChatCompletionClient(backend, agent=agent, **options)
+    return None
 
 
 def instrument(
@@ -348,53 +407,123 @@ def instrument(
 ) -> T:
     """Put kvbaton under an AutoGen agent or team, in place; returns it.
 
-    - every participant with a ``_model_client`` (``AssistantAgent``) gets a
-      :class:`KvbatonChatCompletionClient` tagged with its name (settings of an existing kvbaton client
-      are kept; ``client_options`` such as ``max_tokens=64`` override them), and its system message is
-      registered as its fixed prompt (``prefill=True`` computes it into the prefix cache now);
-    - a ``SelectorGroupChat``'s own model client is swapped too (tagged ``<team name>.selector``);
+    - each participant with a ``_model_client`` (``AssistantAgent``) runs on kvbaton, tagged with its
+      name. Without ``client``, the user's model clients are kept where they run: a
+      :class:`KvbatonChatCompletionClient` keeps its engine and settings, an
+      ``OpenAIChatCompletionClient`` pointed at a ``kvbaton serve`` server becomes a kvbaton client
+      on that server with the same ``max_tokens``/``temperature``/``top_p``/``seed``/``stop``, and any
+      other client is left as it is. With ``client`` (a kvbaton client or a server URL) every model
+      client moves there, its settings carried over. ``client_options`` (``max_tokens=64``...)
+      override the settings. Each decision is logged and listed in ``obj.kvbaton.changes``; when no
+      model client ends up on kvbaton, :class:`~kvbaton.errors.InvalidRequest` says to pass ``client``;
+    - the agent's system message is registered as its fixed prompt (``prefill=True`` computes it
+      into the prefix cache now);
+    - a ``SelectorGroupChat``'s own model client follows the same rules (tagged ``<team name>.selector``);
     - the step graph is extracted (``obj.step_graph``; run-time state in ``obj.kvbaton``, an
       :class:`Instrumentation`), and before each turn ``client.hints(step_graph, running, finished)``
       is sent;
     - replies are stamped with ``metadata["kvbaton_handle"]``, ``"kvbaton_exact"`` and
-      ``"kvbaton_tokens_approximate"``.
-
-    ``client`` is a kvbaton client, a server URL, or ``None`` (the kvbaton client of an existing
-    :class:`KvbatonChatCompletionClient` among the agents, else the process-wide embedded engine).
+      ``"kvbaton_tokens_approximate"``;
+    - ``obj.dump_component()`` dumps an :class:`Instrumented` component: ``load_component`` of it
+      returns the object instrumented again (same options; an ``"embedded"`` client attaches to the
+      process's shared connection, see :func:`register_connection`).
     """
-    backend = _resolve_client(agent_or_team, client)
+    given = _resolve_client(client)
     obj: Any = agent_or_team
     participants = _participants(obj)
     members = participants if participants else [obj]
-    graph = extract_step_graph(obj)
-    inst = Instrumentation(step_graph=graph, client=backend, send_hints=hints)
-    registrations: list[tuple[KvbatonChatCompletionClient, list[dict[str, str]]]] = []
+    plans: list[tuple[Any, str, KvbatonChatCompletionClient | None]] = []
+    changes: list[str] = []
     for member in members:
         if hasattr(member, "_model_client"):
-            model_client = _kv_model_client(member._model_client, backend, member.name, client_options)
-            member._model_client = model_client
-            inst.model_clients[member.name] = model_client
-            system = [{"role": "system", "content": m.content} for m in getattr(member, "_system_messages", [])]
-            if system:
-                registrations.append((model_client, system))
+            model_client, line = _plan(member._model_client, given, member.name, client_options)
+            plans.append((member, member.name, model_client))
+            changes.append(line)
+    selector = None
+    if participants and getattr(obj, "_model_client", None) is not None:  # SelectorGroupChat
+        selector = f"{obj.name}{SELECTOR_AGENT_SUFFIX}"
+        # its system prompt embeds the conversation and changes every turn: no fixed prompt to register
+        model_client, line = _plan(obj._model_client, given, selector, {**client_options, "register_prompt": False})
+        plans.append((obj, selector, model_client))
+        changes.append(line)
+    on_kvbaton = [m for _, _, m in plans if m is not None]
+    backend = given if given is not None else on_kvbaton[0].kvbaton_client if on_kvbaton else None
+    if backend is None:
+        raise InvalidRequest(
+            f"instrument(): no model client of {getattr(obj, 'name', type(obj).__name__)!r} runs on kvbaton "
+            f"({'; '.join(changes) or 'no model clients'}): pass client=<kvbaton client or kvbaton serve URL> to "
+            "replace them"
+        )
+    graph = extract_step_graph(obj)
+    inst = Instrumentation(step_graph=graph, client=backend, send_hints=hints, changes=changes)
+    for line in changes:
+        (logger.warning if " kept as it is " in line else logger.info)("kvbaton instrument(): %s", line)
+    registrations: list[tuple[KvbatonChatCompletionClient, list[dict[str, str]]]] = []
+    for holder, name, model_client in plans:
+        if model_client is None:
+            continue
+        holder._model_client = model_client
+        inst.model_clients[name] = model_client
+        system = [{"role": "system", "content": m.content} for m in getattr(holder, "_system_messages", [])]
+        if system and name != selector:
+            registrations.append((model_client, system))
+    for member in members:
         _wrap_turns(member, inst)
         member.kvbaton = inst
-    if participants and getattr(obj, "_model_client", None) is not None:  # SelectorGroupChat
-        name = f"{obj.name}{SELECTOR_AGENT_SUFFIX}"
-        # its system prompt embeds the conversation and changes every turn: no fixed prompt to register
-        obj._model_client = _kv_model_client(
-            obj._model_client, backend, name, {**client_options, "register_prompt": False}
-        )
-        inst.model_clients[name] = obj._model_client
     for model_client, system in registrations:
-        if isinstance(backend, Client):  # an async client registers on the agent's first request instead
+        if isinstance(model_client.kvbaton_client, Client):  # an async client registers on the agent's first request
             model_client.register_agent_sync(system, prefill=prefill)
     if participants:
         _wrap_reset(obj, inst)
     _wrap_runs(obj, inst)
+    _wrap_dump(obj, {"client": target_of(backend), "prefill": prefill, "hints": hints, **client_options})
     obj.kvbaton = inst
     obj.step_graph = graph
     return agent_or_team
+
+
+# -- serialization ----------------------------------------------------------------------------------
+
+
+class InstrumentedConfig(BaseModel):
+    """An instrumented AutoGen component: the component as AutoGen dumps it, and instrument()'s options."""
+
+    component: ComponentModel
+    options: dict[str, Any] = Field(default_factory=dict, description="instrument()'s arguments (client: a target).")
+
+
+class Instrumented(ComponentBase[BaseModel], Component[InstrumentedConfig]):
+    """The loader of an instrumented agent or team: ``load_component`` loads the original component
+    and returns it instrumented (:func:`instrument`); nothing else is ever an ``Instrumented``."""
+
+    component_type = "team"  # load_component checks the loaded object's own type, not this one
+    component_config_schema = InstrumentedConfig
+    component_provider_override = "kvbaton.adapters.autogen.Instrumented"
+
+    def _to_config(self) -> InstrumentedConfig:  # pragma: no cover - never instantiated
+        raise NotImplementedError("Instrumented only loads components")
+
+    @classmethod
+    def _from_config(cls, config: InstrumentedConfig) -> Any:
+        options = dict(config.options)
+        loaded = ComponentLoader.load_component(config.component)
+        return instrument(loaded, options.pop("client", None), **options)
+
+
+def _wrap_dump(obj: Any, options: dict[str, Any]) -> None:
+    """``obj.dump_component()`` dumps an :class:`Instrumented` component around the original dump."""
+    original = getattr(obj, "_kvbaton_original_dump", None) or obj.dump_component
+
+    def dump_component() -> ComponentModel:
+        inner = original()
+        return ComponentModel(
+            provider=Instrumented.component_provider_override, component_type=inner.component_type,
+            version=1, component_version=1, description=f"kvbaton-instrumented {inner.label or inner.provider}",
+            label=inner.label, config={"component": inner.model_dump(), "options": dict(options)},
+        )
+
+    obj.dump_component = dump_component
+    obj._kvbaton_original_dump = original
 
 
 def _wrap_reset(team: Any, inst: Instrumentation) -> None:
@@ -490,6 +619,8 @@ __all__ = [
     "KvbatonChatCompletionClient",
     "KvbatonChatCompletionClientConfig",
     "KvbatonCreateResult",
+    "Instrumented",
+    "InstrumentedConfig",
     "agent",
     "extract_step_graph",
     "graph_from_digraph",

@@ -62,6 +62,7 @@ from kvbaton.types import Result
 from pydantic import BaseModel, Field
 
 from . import core
+from .core import register_connection, shared_connection  # noqa: F401 - this module's names too
 from ._autogen_messages import function_calls, message_text, render_messages, tool_schema
 
 logger = logging.getLogger("kvbaton.adapters.autogen")
@@ -126,35 +127,6 @@ class KvbatonChatCompletionClientConfig(BaseModel):
 
 
 # -- shared connections and side tables --------------------------------------------------------------
-
-_connections: dict[tuple[str, str | None], Client | AsyncClient] = {}
-_connections_lock = threading.Lock()
-
-
-def register_connection(
-    client: Client | AsyncClient | None, target: str = "embedded", model: str | None = None
-) -> None:
-    """Make ``client`` the connection that configs naming ``(target, model)`` attach to in this process
-    (``load_component`` of an ``"embedded"`` config then reuses this engine instead of loading another).
-    ``None`` forgets the registered connection (it is not closed)."""
-    with _connections_lock:
-        if client is None:
-            _connections.pop((target, model), None)
-        else:
-            _connections[(target, model)] = client
-
-
-def shared_connection(target: str = "embedded", model: str | None = None) -> Client | AsyncClient:
-    """The process-wide connection for ``(target, model)``, opened with ``kvbaton.connect`` on first use."""
-    with _connections_lock:
-        client = _connections.get((target, model))
-        if client is None:
-            from kvbaton.client import connect
-
-            client = connect(None if target == "embedded" else target, model=model)
-            _connections[(target, model)] = client
-        return client
-
 
 def target_of(client: Client | AsyncClient) -> str:
     """The config target of a live client: its server URL, or ``"embedded"``."""

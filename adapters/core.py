@@ -17,6 +17,13 @@ same for both:
   per client, again only when it changes (:func:`register_fixed_prompt`);
 - **hints** — steps-to-execution of a :class:`~kvbaton.StepGraph` sent through the client's
   ``hints()`` (:class:`HintSender`);
+- **shared connections** — the process-wide kvbaton client an adapter object opens when it is given
+  none (:func:`shared_connection`: ``KvbatonChatModel()``, a loaded AutoGen component), one per
+  target, model and token, closed at exit;
+- **compact handle references** — what goes on a framework message: a handle without its lineage
+  (:func:`compact_handle`: id, fingerprints, length, positions; a bounded size whatever the context),
+  its tokens remembered in this process and otherwise asked of the engine when a choice needs them
+  (:func:`handle_tokens`);
 - **ownership** — runs as scopes, what a result references: :mod:`kvbaton.adapters.ownership`.
 
 Invariants: only the public client API is used (client methods, :class:`~kvbaton.Handle`,
@@ -28,7 +35,9 @@ raise into the app, they are logged; a helper has one name and one shape in ever
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
+import os
 import inspect
 import json
 import logging
@@ -36,12 +45,13 @@ import re
 import threading
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvbaton.client import AsyncClient
-from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle
+from kvbaton.client import AsyncClient, Client
+from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, ModelNotFound
 from kvbaton.handle import Handle, common_prefix_length
 from kvbaton.stepgraph import StepGraph
 
@@ -251,15 +261,45 @@ model's: the call is made again without it."""
 
 H = TypeVar("H", bound="Handle | Mapping[str, Any]")
 
+# -- compact handle references ----------------------------------------------------------------------
 
-def handle_tokens(handle: Handle | Mapping[str, Any]) -> list[int] | None:
-    """The token ids a handle covers, from its lineage (a :class:`~kvbaton.Handle` or its JSON dict,
-    read without validating it); None when the lineage cannot be replayed."""
+LINEAGE_MEMORY = 4096
+"""Handles whose tokens this process remembers for :func:`handle_tokens` (latest used kept)."""
+
+_tokens: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+_tokens_lock = threading.Lock()
+
+
+def remember_tokens(handle: Handle) -> None:
+    """Remember the tokens of ``handle`` (from its lineage) under its id, in a bounded memory."""
+    if not handle.lineage:
+        return
+    tokens = tuple(handle.token_ids())
+    with _tokens_lock:
+        _tokens[handle.id] = tokens
+        _tokens.move_to_end(handle.id)
+        while len(_tokens) > LINEAGE_MEMORY:
+            _tokens.popitem(last=False)
+
+
+def compact_handle(handle: Handle) -> dict[str, Any]:
+    """The reference to ``handle`` an adapter puts on a message: its JSON without the lineage — id,
+    model and tokenizer fingerprints, length, positions, placement, exactness. ``Handle.model_validate``
+    reads it back and the engine checks it like any handle, so the size of a checkpointed
+    conversation does not grow with every context token; the tokens are remembered here instead."""
+    remember_tokens(handle)
+    return handle.model_dump(mode="json", exclude={"lineage"})
+
+
+def _lineage_tokens(handle: Handle | Mapping[str, Any]) -> list[int] | None:
     try:
         if isinstance(handle, Handle):
-            return handle.token_ids()
+            return handle.token_ids() if handle.lineage else None
+        lineage = handle.get("lineage")
+        if not lineage:
+            return None
         tokens: list[int] = []
-        for step in handle.get("lineage") or ():
+        for step in lineage:
             keep = step.get("keep")
             if keep is not None:
                 del tokens[keep:]
@@ -269,21 +309,51 @@ def handle_tokens(handle: Handle | Mapping[str, Any]) -> list[int] | None:
         return None
 
 
-def rank_handles(candidates: Sequence[H], prompt_tokens: Sequence[int] | None = None) -> list[H]:
+def handle_tokens(handle: Handle | Mapping[str, Any], client: Any = None) -> list[int] | None:
+    """The token ids a handle covers (a :class:`~kvbaton.Handle` or its JSON dict, full or compact,
+    read without validating it): from its lineage, else from this process's memory of the handles
+    it saw, else — with ``client`` over an engine that describes handles — from the engine. None
+    when none of them knows."""
+    tokens = _lineage_tokens(handle)
+    if tokens is not None:
+        return tokens
+    handle_id = handle.id if isinstance(handle, Handle) else handle.get("id") if isinstance(handle, Mapping) else None
+    if not isinstance(handle_id, str):
+        return None
+    with _tokens_lock:
+        known = _tokens.get(handle_id)
+    if known is not None:
+        return list(known)
+    describe = getattr(getattr(sync_client(client), "ops", None), "describe", None)
+    if describe is None:
+        return None
+    try:
+        full = describe(handle_id)
+    except Exception:  # noqa: BLE001 - released or unknown: the handle is simply not ranked by content
+        return None
+    remember_tokens(full)
+    return full.token_ids()
+
+
+def rank_handles(candidates: Sequence[H], prompt_tokens: Sequence[int] | None = None, client: Any = None) -> list[H]:
     """Candidate handles (oldest first, as they appear on the prompt) best first: the more of the
     prompt's leading tokens a handle covers, the more KV the engine reuses from it (the latest on
-    ties). Handles that share no token with the prompt are left out. Without ``prompt_tokens``:
-    latest first."""
+    ties). Handles that share no token with the prompt are left out; those whose tokens nobody
+    knows (:func:`handle_tokens`) come last, latest first — the engine keeps what they share.
+    Without ``prompt_tokens``: latest first."""
     latest_first = list(reversed(candidates))
     if prompt_tokens is None:
         return latest_first
-    scored = []
+    scored, unknown = [], []
     for order, handle in enumerate(latest_first):
-        tokens = handle_tokens(handle)
-        shared = common_prefix_length(tokens, prompt_tokens) if tokens else 0
+        tokens = handle_tokens(handle, client)
+        if tokens is None:
+            unknown.append(handle)
+            continue
+        shared = common_prefix_length(tokens, prompt_tokens)
         if shared > 0:
             scored.append((-shared, order, handle))
-    return [handle for *_, handle in sorted(scored, key=lambda s: s[:2])]
+    return [handle for *_, handle in sorted(scored, key=lambda s: s[:2])] + unknown
 
 
 def best_handle(candidates: Sequence[H], prompt_tokens: Sequence[int] | None = None) -> H | None:
@@ -298,14 +368,16 @@ def rank_for_prompt(
     """:func:`rank_handles` for a chat prompt; the prompt is tokenized (``client.chat_tokens``) only
     to choose between several candidates — one is taken as it is, the engine reuses what it shares."""
     tokens = call(client, "chat_tokens", messages, tools=tools) if len(candidates) > 1 else None
-    return rank_handles(candidates, tokens)
+    return rank_handles(candidates, tokens, client)
 
 
 async def arank_for_prompt(
     client: Any, candidates: Sequence[H], messages: Sequence[Any], *, tools: Any = None
 ) -> list[H]:
     tokens = await acall(client, "chat_tokens", messages, tools=tools) if len(candidates) > 1 else None
-    return rank_handles(candidates, tokens)
+    if tokens is None:
+        return rank_handles(candidates, tokens)
+    return await asyncio.to_thread(rank_handles, candidates, tokens, client)  # may ask the engine for lineages
 
 
 def run_with_handle(
@@ -467,6 +539,91 @@ async def aregister_fixed_prompt(client: Any, agent: str | None, messages: Seque
         log.warning("kvbaton: registering agent %r failed: %s", agent, exc)
 
 
+# -- shared connections -----------------------------------------------------------------------------
+
+_connections: dict[tuple[str, str | None, str | None], Client | AsyncClient] = {}
+_connections_lock = threading.Lock()
+
+
+def register_connection(
+    client: Client | AsyncClient | None, target: str = "embedded", model: str | None = None
+) -> None:
+    """Make ``client`` the connection that adapter objects naming ``(target, model)`` attach to in this
+    process (``load_component`` of an ``"embedded"`` config then reuses this engine instead of loading
+    another). ``None`` forgets the registered connection (it is not closed: it is the caller's)."""
+    key = (target, model if target == "embedded" else None, None)  # a server's model is its own
+    with _connections_lock:
+        if client is None:
+            _connections.pop(key, None)
+        else:
+            _connections[key] = client
+
+
+def shared_connection(
+    target: str = "embedded", model: str | None = None, token: str | None = None
+) -> Client | AsyncClient:
+    """The process-wide connection for ``(target, model, token)`` (``target``: ``"embedded"`` or a
+    ``kvbaton serve`` URL), opened with ``kvbaton.connect`` on first use and closed at exit. A server
+    chose its model: there ``model`` is only checked (``ModelNotFound`` when it serves another), and
+    one connection per URL and token serves every model object naming it."""
+    embedded = target == "embedded"
+    key = (target, model if embedded else None, token)
+    with _connections_lock:
+        client = _connections.get(key)
+        if client is None:
+            from kvbaton.client import connect
+
+            client = connect(model=model) if embedded else connect(target, token=token)
+            _connections[key] = client
+            _opened.append(client)
+    if not embedded and model is not None:
+        served = served_model(client, default="")
+        if served != model:
+            raise ModelNotFound(f"the kvbaton server at {target} serves {served!r}, not {model!r}")
+    return client
+
+
+_opened: list[Any] = []  # the connections this module opened (registered ones are their callers')
+
+
+@atexit.register
+def _close_opened() -> None:
+    while _opened:
+        try:
+            _opened.pop().close()
+        except Exception:  # noqa: BLE001 - at exit, a failing close must not hide the others
+            pass
+
+
+def is_openai_key(key: str | None) -> bool:
+    """Whether ``key`` (a bare key or an ``Authorization`` value) is an OpenAI API key: ``sk-...`` or
+    ``$OPENAI_API_KEY``. Adapters never send one to a kvbaton server."""
+    if not key:
+        return False
+    key = key.removeprefix("Bearer ").strip()
+    env = os.environ.get("OPENAI_API_KEY")
+    return key.startswith("sk-") or (bool(env) and key == env)
+
+
+def default_target(base_url: str | None = None) -> str:
+    """Where an adapter object given no client connects: ``base_url``, else ``$KVBATON_URL``, else
+    the embedded engine (``"embedded"``). A URL is given without a trailing ``/v1``."""
+    url = base_url or os.environ.get("KVBATON_URL") or ""
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url or "embedded"
+
+
+def served_model(client: Any, default: str = "kvbaton") -> str:
+    """The name of the model the engine behind ``client`` serves (its stats), or ``default`` when
+    the client cannot say."""
+    try:
+        return str(call(client, "stats").model)
+    except Exception:  # noqa: BLE001 - an async-only or fake client: the name is informative only
+        return default
+
+
 # -- hints ------------------------------------------------------------------------------------------
 
 
@@ -536,20 +693,27 @@ __all__ = [
     "asupports",
     "best_handle",
     "call",
+    "compact_handle",
+    "default_target",
     "handle_tokens",
+    "is_openai_key",
     "iterate_in_thread",
     "leading_system",
     "parse_tool_calls",
     "rank_for_prompt",
     "rank_handles",
     "register_agent",
+    "register_connection",
     "register_fixed_prompt",
     "registered_prompt",
     "render_tool_calls",
     "render_tools",
     "reuse_kwargs",
+    "remember_tokens",
     "reuse_report",
     "run_with_handle",
+    "served_model",
+    "shared_connection",
     "supports",
     "sync_client",
     "tool_result",

@@ -49,7 +49,8 @@ def referenced_ids(obj: Any) -> set[str]:
         if isinstance(item, Handle):
             found.add(item.id)
         elif isinstance(item, Mapping):
-            if isinstance(item.get("id"), str) and "lineage" in item:  # a handle's JSON: its tokens are no ids
+            if isinstance(item.get("id"), str) and ("lineage" in item or "model_fingerprint" in item):
+                # a handle's JSON (full, or a compact reference): its tokens and fingerprints are no ids
                 todo.append(item["id"])
             else:
                 todo.extend(item.values())

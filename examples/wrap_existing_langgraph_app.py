@@ -5,8 +5,9 @@ briefing with ``ChatOpenAI(model="gpt-4o-mini")``. Nothing in it knows about kvb
 run it on kvbaton, both against a kvbaton server (``kvbaton serve``; here one is started in this
 process on a free loopback port, with the embedded default model):
 
-- kvbaton mode, one line: ``app = wrap(build_app(), base_url=server)``. Inside the wrapper's runs
-  ChatOpenAI's requests to api.openai.com go to the server tagged with the node's name, the server
+- kvbaton mode, one line: ``app = wrap(build_app(), base_url=server, redirect_openai=True)``. Inside
+  the wrapper's runs ChatOpenAI's requests to api.openai.com go to the server (without the OpenAI
+  key) tagged with the node's name, the server
   resumes each agent from its latest handle, the step graph's hints keep the next agents' KV warm.
 - ``--baseline text``, no line at all: ``OPENAI_BASE_URL=<server>/v1`` points the unchanged app at a
   server that keeps no handles and has no prefix cache, i.e. plain text passing.
@@ -14,7 +15,8 @@ process on a free loopback port, with the embedded default model):
     python examples/wrap_existing_langgraph_app.py --baseline both
 
 Against your own server, the same two options apply unchanged: ``kvbaton serve`` in one shell, then
-``wrap(app, base_url="http://127.0.0.1:8470")`` (or only ``OPENAI_BASE_URL``) in the app's process.
+``wrap(app, base_url="http://127.0.0.1:8470", redirect_openai=True)`` (or ``OPENAI_BASE_URL`` and a bare
+``wrap(app)``, which finds the server there) in the app's process.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> Report:
     try:
         with LocalServer(client, agents, keep_handles=kv) as server:
             if kv:
-                app = wrap(build_app(args.max_tokens), base_url=server.url)  # <- the one line
+                app = wrap(build_app(args.max_tokens), base_url=server.url, redirect_openai=True)  # <- the one line
             else:
                 os.environ["OPENAI_BASE_URL"] = server.url + "/v1"  # <- or only this, no kvbaton features
                 app = build_app(args.max_tokens)

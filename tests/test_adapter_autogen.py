@@ -36,6 +36,7 @@ from kvbaton.adapters.autogen import KvbatonChatCompletionClient, handle_of, ins
 from kvbaton.adapters.core import parse_tool_calls
 from kvbaton.backend import Engine
 from kvbaton.embedded import AsyncEmbeddedClient, EmbeddedClient
+from kvbaton.errors import InvalidRequest
 
 MAX_TOKENS = 4
 LONG = (
@@ -474,3 +475,67 @@ def test_tool_call_and_handoff_through_assistant_agents(kv):
     # alice's second request reused her first one's KV through the side table
     first, again = team.kvbaton.model_clients["alice"].results
     assert again.timings.tokens_reused >= first.timings.tokens_reused + first.timings.tokens_prefilled - 1
+
+
+# -- instrument() keeps the user's clients and says what it changes; load_component round trip --------
+
+
+def openai_client(base_url: str | None, max_tokens: int) -> Any:
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+    return OpenAIChatCompletionClient(
+        model="smollm2-135m-instruct", base_url=base_url, api_key="sk-openai-secret", max_tokens=max_tokens,
+        temperature=0, model_info={"vision": False, "function_calling": False, "json_output": False,
+                                   "family": "unknown", "structured_output": False},
+    )
+
+
+@pytest.mark.unit
+def test_instrument_refuses_a_team_with_nothing_on_kvbaton():
+    pytest.importorskip("autogen_ext.models.openai")
+    team = RoundRobinGroupChat([assistant("a", "You are a."),
+                                assistant("b", "You are b.", model_client=openai_client(None, 8))], max_turns=2)
+    with pytest.raises(InvalidRequest, match="pass client=") as err:
+        instrument(team)
+    assert "ReplayChatCompletionClient kept as it is" in str(err.value)  # it says what it found
+    assert "OpenAIChatCompletionClient kept as it is" in str(err.value)
+
+
+def test_instrument_uses_the_kvbaton_server_the_clients_point_at(server):
+    pytest.importorskip("autogen_ext.models.openai")
+    base = f"{server.url}/v1"
+    team = RoundRobinGroupChat([assistant("a", "You are a.", model_client=openai_client(base, 2)),
+                                assistant("b", "You are b.", model_client=openai_client(base, 2))], max_turns=2)
+    instrument(team)  # no client given: the clients' own server, their own max_tokens
+    try:
+        http = team.kvbaton.client
+        assert http.base_url == server.url  # no in-process engine was loaded
+        assert [c.dump_component().config["max_tokens"] for c in team.kvbaton.model_clients.values()] == [2, 2]
+        assert all("OpenAIChatCompletionClient replaced by KvbatonChatCompletionClient" in line
+                   and "max_tokens=2" in line for line in team.kvbaton.changes)
+        out = asyncio.run(team.run(task="Hello."))
+        assert [m.source for m in out.messages] == ["user", "a", "b"] and all(handle_of(m) for m in out.messages[1:])
+        assert all(u.completion_tokens <= 2 for u in (m.models_usage for m in out.messages[1:]) if u)
+    finally:
+        for model_client in team.kvbaton.model_clients.values():
+            asyncio.run(model_client.release_handles())
+        ka.register_connection(None, server.url)
+
+
+def test_load_component_of_an_instrumented_team_is_instrumented(kv):
+    team = instrument(RoundRobinGroupChat([assistant("a", "You are a."), assistant("b", "You are b.")], max_turns=2),
+                      kv, max_tokens=2)
+    assert any("ReplayChatCompletionClient replaced" in line for line in team.kvbaton.changes)  # told, so it says so
+    dumped = json.loads(team.dump_component().model_dump_json())
+    assert dumped["provider"] == "kvbaton.adapters.autogen.Instrumented"
+    ka.register_connection(kv)  # "embedded" attaches to this engine
+    try:
+        loaded = RoundRobinGroupChat.load_component(dumped)
+    finally:
+        ka.register_connection(None)
+    assert isinstance(loaded, RoundRobinGroupChat) and loaded.kvbaton.client is kv
+    assert loaded.step_graph.to_spec() == team.step_graph.to_spec()
+    assert {n: c.dump_component().config["max_tokens"] for n, c in loaded.kvbaton.model_clients.items()} == \
+        {"a": 2, "b": 2}
+    out = asyncio.run(loaded.run(task="Hello."))
+    assert all(handle_of(m) for m in out.messages[1:]) and len(loaded.kvbaton.hint_log) == 2

@@ -166,10 +166,17 @@ def test_handle_tokens_of_handles_and_their_json() -> None:
     h = handle([1, 2, 3], keep_steps=(LineageStep(op=Op.EXTEND, token_ids=(8, 9), keep=2),))
     assert core.handle_tokens(h) == [1, 2, 8, 9]
     assert core.handle_tokens(h.model_dump(mode="json")) == [1, 2, 8, 9]  # a handle dict, unvalidated
-    assert core.handle_tokens({"id": "x"}) == []  # an id-only handle (mode 2): nothing to compare
+    assert core.handle_tokens({"id": "x"}) is None  # an id-only handle (mode 2): nobody knows its tokens
     assert core.handle_tokens({"lineage": [{"token_ids": 5}]}) is None
     dicts = [handle([1, 2], "a").model_dump(mode="json"), handle([1, 2, 3], "b").model_dump(mode="json")]
     assert core.best_handle(dicts, [1, 2, 3])["id"].startswith("b")
+    # a compact reference (what goes on messages) has no lineage; this process remembers its tokens
+    compact = core.compact_handle(h)
+    assert "lineage" not in compact and Handle.model_validate(compact).id == h.id
+    assert core.handle_tokens(compact) == [1, 2, 8, 9]
+    # handles whose tokens nobody knows are still candidates, after those known to share the prompt
+    unknown = {"id": "f" * 32}
+    assert core.rank_handles([unknown, dicts[0]], [1, 2, 3]) == [dicts[0], unknown]
 
 
 def test_rank_for_prompt_tokenizes_only_to_choose() -> None:

@@ -435,7 +435,7 @@ def test_chat_openai_app_against_kvbaton_serve(server: Any, monkeypatch: pytest.
     g.add_edge(START, "planner")
     g.add_edge("planner", "worker")
     g.add_conditional_edges("worker", lambda s: "planner" if s["rounds"] < 2 else END)
-    app = wrap(g.compile(), base_url=server.url)
+    app = wrap(g.compile(), base_url=server.url, redirect_openai=True)
     sent: list[Any] = []
     control_hints = app.client.hints
     app.client.hints = lambda steps, **kw: sent.append((kw, control_hints(steps, **kw)))  # type: ignore[method-assign]

@@ -39,6 +39,7 @@ class InstantClient:
         self.hint_calls: list[tuple[tuple[str, ...], tuple[str, ...], dict[str, float]]] = []
         self.agents: dict[str, Any] = {}
         self.released: set[str] = set()
+        self.tokens: dict[str, list[int]] = {}  # the "KV" of each live handle, by id (messages carry no lineage)
         self._n = 0
 
     def _tokens(self, messages: Sequence[Any]) -> list[int]:
@@ -60,7 +61,7 @@ class InstantClient:
         out = [ord(c) % 50000 for c in text]
         reused = 0
         if handle is not None:
-            for a, b in zip(handle.token_ids(), prompt):
+            for a, b in zip(self.tokens.get(getattr(handle, "id", handle), ()), prompt):
                 if a != b:
                     break
                 reused += 1
@@ -70,6 +71,7 @@ class InstantClient:
             num_tokens=len(prompt) + len(out), positions=Positions(rope_type="default", rope_theta=1.0),
             lineage=(LineageStep(op=Op.GENERATE, token_ids=tuple(prompt + out)),), placement=Placement(device="cpu"),
         )
+        self.tokens[h.id] = prompt + out
         timings = Timings(ttft_s=0.0, total_s=0.0, tokens_reused=reused, tokens_prefilled=len(prompt) - reused,
                           tokens_generated=len(out))
         return Result(text=text, token_ids=out, handle=h, finish_reason="stop", timings=timings)
