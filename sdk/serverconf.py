@@ -11,13 +11,18 @@ from .errors import InvalidRequest
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8470
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-DEFAULT_OPENAI_MAX_TOKENS = 256
+# max_tokens of a request that gives none, on every route (native and OpenAI): one value, set by
+# --default-max-tokens. (SDK clients always send their own, SamplingParams' default.)
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_OPENAI_MAX_TOKENS = DEFAULT_MAX_TOKENS  # the name before it held for every route
+DEFAULT_STATS_INTERVAL_S = 10.0  # how often the server logs its throughput line (0: never)
 DEFAULT_MAX_N = 8
 DEFAULT_MAX_AGENTS = 1024
 DEFAULT_THREADS = 64
 DEFAULT_MAX_HANDLES_PER_TENANT = 4096  # live handles of one tenant (0: no limit)
 MAX_JSON_DEPTH = 64  # deepest nesting of arrays/objects in a request body
 TOKEN_ENV = "KVBATON_TOKEN"
+API_KEY_ENV = "KVBATON_API_KEY"  # read when KVBATON_TOKEN is unset (vLLM's --api-key, by its kvbaton name)
 
 
 def is_loopback(host: str) -> bool:

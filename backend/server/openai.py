@@ -29,15 +29,25 @@ from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest, ModelNotFound, PoolExhausted
+from kvbaton.errors import (
+    OPENAI_CODES,
+    EndpointNotSupported,
+    HandleNotFound,
+    HandleReleased,
+    InvalidRequest,
+    ModelNotFound,
+    PoolExhausted,
+)
 from kvbaton.stream import TokenStream
 from kvbaton.types import Result, Reuse, SamplingParams, StreamChunk
 
 from .. import protocol as p
+from .accesslog import note_tokens
 from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
 from .sse import Streams, StreamEvents, close_all, open_primed, prime_all, sse, stream_response
+from .openai_fields import check_fields
 from .state import ServerState
-from .tenancy import SlotKey, request_agent, request_reuse, request_tenant
+from .tenancy import SlotKey, request_agent, request_reuse, request_session, request_tenant
 
 APPROXIMATE_HEADER = "X-Kvbaton-Approximate"
 """Response header, ``true`` on a (non-streamed) answer whose prompt K/V were partly reused approximately."""
@@ -106,6 +116,7 @@ class Plan:
     """One parsed OpenAI request: who asks, what the engine gets, the sampling of each choice."""
 
     tenant: str
+    session: str  # "" is the default session
     agent: str  # "" when none
     engine_agent: str | None
     reuse: p.HandleRef | None  # the caller's handle to reuse (else the agent's latest, for chat)
@@ -118,10 +129,11 @@ class Plan:
     include_usage: bool
     id: str
     created: int
+    scope: dict[str, Any] | None = None  # the request's ASGI scope: its access line counts the tokens
 
     @property
     def key(self) -> SlotKey:
-        return (self.tenant, self.agent)
+        return (self.tenant, self.session, self.agent)
 
 
 class OpenAIServing:
@@ -138,6 +150,7 @@ class OpenAIServing:
 
     async def handle(self, body: p.OpenAIRequest, request: Request) -> Any:
         plan = self.plan(body, request)
+        plan.scope = request.scope
         admission = self.state.admit(plan.tenant, len(plan.params))
         if body.stream:
             return await stream_response(self.state, plan.tenant, functools.partial(self.open_streams, plan),
@@ -145,7 +158,7 @@ class OpenAIServing:
         with admission:
             results, kept = await self.state.run(self.run_all, plan)
         for r in results:
-            self.observe(r)
+            self.observe(r, plan)
         payload = {
             **self.header(plan, self.object),
             "choices": [self.choice(i, self.message(r.text), r.finish_reason) for i, r in enumerate(results)],
@@ -160,8 +173,10 @@ class OpenAIServing:
     def plan(self, body: p.OpenAIRequest, request: Request) -> Plan:
         state = self.state
         tenant = request_tenant(request)
+        check_fields(body.model_extra)
         ext = body.kvbaton or p.KvbatonExtension()
         agent = request_agent(request, ext.agent) or ""
+        session = request_session(request, ext.session, (body.model_extra or {}).get("user"))
         engine_agent = state.agent(tenant, agent)
         if body.n > state.max_n:
             raise InvalidRequest(f"n {body.n} exceeds the server's limit of {state.max_n}")
@@ -174,7 +189,8 @@ class OpenAIServing:
         prompt, tools = self.prompt(body, ext)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return Plan(
-            tenant=tenant, agent=agent, engine_agent=engine_agent, reuse=ext.handle, policy=policy, keep=ext.keep,
+            tenant=tenant, session=session, agent=agent, engine_agent=engine_agent, reuse=ext.handle, policy=policy,
+            keep=ext.keep,
             step=ext.step,
             params=params, prompt=prompt, tools=tools, include_usage=include_usage,
             id=self.id_prefix + secrets.token_hex(12), created=int(time.time()),
@@ -192,8 +208,9 @@ class OpenAIServing:
             close_all(streams)
         return results, self.finish(plan, results)
 
-    def observe(self, result: Result) -> None:
+    def observe(self, result: Result, plan: Plan) -> None:
         self.state.metrics.observe(self.endpoint, result)
+        note_tokens(plan.scope, result)
 
     def header(self, plan: Plan, obj: str) -> dict[str, Any]:
         return {"id": plan.id, "object": obj, "created": plan.created, "model": self.state.model, **self.head}
@@ -260,7 +277,7 @@ class _OpenAIEvents(StreamEvents):
         return [self._chunk([self.serving.choice(index, self.serving.delta(chunk.text), None)])] if chunk.text else []
 
     def closing(self, index: int, result: Result, last: bool) -> list[str]:
-        self.serving.observe(result)
+        self.serving.observe(result, self.plan)
         if last:
             return []  # the last choice closes with the kvbaton field, in finish
         return [self._chunk([self.serving.choice(index, self.serving.delta(None), result.finish_reason)])]
@@ -275,6 +292,9 @@ class _OpenAIEvents(StreamEvents):
         return [*out, sse("[DONE]")]
 
     def error(self, body: dict[str, Any]) -> str:
+        err = body.get("error", {})
+        if "code" in err:
+            err["code"] = OPENAI_CODES.get(err["code"], err["code"])
         return sse(json.dumps(body))
 
 
@@ -407,8 +427,8 @@ class CompletionServing(OpenAIServing):
 # -- routes ----------------------------------------------------------------------------------------
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
-    card: dict[str, Any] = {"id": state.model, "object": "model", "created": 0, "owned_by": "kvbaton"}
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "kvbaton"}
     if state.max_context:
         card["max_model_len"] = state.max_context
     return card
@@ -420,13 +440,14 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", tags=["openai"])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(state)]}
+        return {"object": "list", "data": [_model_card(state, name) for name in state.model_names]}
 
     @app.get("/v1/models/{model_id:path}", tags=["openai"], responses=ERROR_RESPONSES)
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != state.model:
-            raise ModelNotFound(f"this server runs {state.model!r}, not {model_id!r}")
-        return _model_card(state)
+        if model_id not in state.model_names:
+            raise ModelNotFound(f"the model {model_id!r} does not exist: this server serves "
+                                f"{', '.join(map(repr, state.model_names))}", param="model")
+        return _model_card(state, model_id)
 
     @app.post("/v1/chat/completions", **oa)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Any:
@@ -435,3 +456,17 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", **oa)
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
         return await completion.handle(body, request)
+
+    @app.delete("/v1/sessions/{session_id:path}", tags=["openai"], responses=ERROR_RESPONSES)
+    async def delete_session(session_id: str, request: Request) -> p.SessionReleased:
+        """Release the handles the tenant's agents retain in this session (its turns' K/V); the count
+        says whether there were any."""
+        released = await state.run(state.release_session, request_tenant(request), session_id)
+        return p.SessionReleased(session=session_id, released=released)
+
+    @app.api_route("/v1/responses", methods=["POST"], tags=["openai"], responses=ERROR_RESPONSES,
+                   include_in_schema=False)
+    async def responses() -> Any:
+        # Refused by name rather than the router's bare 404, so a Responses-API client learns what to use.
+        raise EndpointNotSupported("the Responses API (/v1/responses) is not supported by this server; "
+                                   "use /v1/chat/completions")
