@@ -129,6 +129,7 @@ class Plan:
     include_usage: bool
     id: str
     created: int
+    model: str = ""  # the name answers carry: the served name asked for, else the first
     scope: dict[str, Any] | None = None  # the request's ASGI scope: its access line counts the tokens
 
     @property
@@ -194,6 +195,7 @@ class OpenAIServing:
             step=ext.step,
             params=params, prompt=prompt, tools=tools, include_usage=include_usage,
             id=self.id_prefix + secrets.token_hex(12), created=int(time.time()),
+            model=body.model if body.model in state.model_names else state.model,
         )
 
     def run_all(self, plan: Plan) -> tuple[list[Result], list[str | None]]:
@@ -213,7 +215,7 @@ class OpenAIServing:
         note_tokens(plan.scope, result)
 
     def header(self, plan: Plan, obj: str) -> dict[str, Any]:
-        return {"id": plan.id, "object": obj, "created": plan.created, "model": self.state.model, **self.head}
+        return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model, **self.head}
 
     @staticmethod
     def choice(index: int, part: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
