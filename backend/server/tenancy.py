@@ -361,4 +361,4 @@ class AgentSlots:
 
     def tenant_slots(self, tenant: str) -> list[Slot]:
         with self._lock:
-            return [slot for (t, _), slot in self._slots.items() if t == tenant]
+            return [slot for key, slot in self._slots.items() if key[0] == tenant]
