@@ -17,6 +17,7 @@ import time
 import httpx
 import openai
 import pytest
+from kvbaton.errors import ContextTooLong, InvalidRequest, error_from_code
 from server_fixtures import ServerProcess, running
 
 API_KEY = "vllm-style-key"
@@ -210,3 +211,42 @@ def test_logs_say_what_the_server_does(srv, client):
     assert "prompt_tokens=" in log and "generated_tokens=2" in log
     assert "kvbaton.stats: throughput:" in log and "requests/s" in log and "prompt tokens reused" in log
     assert API_KEY not in log
+
+
+# -- model-free parts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_field_table_refuses_what_would_be_dropped():
+    from kvbaton.backend.server.openai_fields import check_fields
+
+    check_fields({"presence_penalty": 0, "logit_bias": {}, "echo": False, "best_of": 1, "suffix": None,
+                  "modalities": ["text"], "user": "u", "metadata": {}, "store": True, "tools": [],
+                  "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2})
+    for field, value in [("presence_penalty", 0.1), ("logit_bias", {"1": 1}), ("echo", True), ("best_of", 2),
+                         ("modalities", ["text", "audio"]), ("functions", []), ("guided_json", {}), ("mystery", 0)]:
+        with pytest.raises(InvalidRequest) as err:
+            check_fields({field: value})
+        assert err.value.param == field
+
+
+@pytest.mark.unit
+def test_sessions_are_slots_of_their_own():
+    from kvbaton.backend.server.tenancy import AgentSlots
+
+    slots = AgentSlots(max_slots=8)
+    slots.slot(("t", "s1", "writer")).replace("h1")
+    slots.slot(("t", "s2", "writer")).replace("h2")
+    slots.slot(("u", "s1", "writer")).replace("h3")  # another tenant's session of the same name
+    assert [s.handle_id for s in slots.session("t", "s1")] == ["h1"]
+    assert slots.slot(("t", "s2", "writer")).handle_id == "h2"
+    assert slots.slot(("u", "s1", "writer")).handle_id == "h3"
+    slots.forget({"h2"})  # its handle expired (TTL): the session's slot ends with it
+    assert slots.session("t", "s2") == []
+
+
+@pytest.mark.unit
+def test_openai_codes_map_back_to_the_sdk_errors():
+    err = error_from_code("context_length_exceeded", "too long", "messages")
+    assert isinstance(err, ContextTooLong) and err.param == "messages"
+    assert error_from_code("not_supported", "no").status == 404
