@@ -154,12 +154,9 @@ def _chat_template(value: str | None) -> str | None:
 
 def _serve(args: argparse.Namespace) -> int:
     from kvbaton.errors import KvbatonError
-    from kvbaton.serverconf import API_KEY_ENV, TOKEN_ENV, check_bind
+    from kvbaton.serverconf import check_bind, env_tokens
 
-    tokens = args.token
-    if tokens is None:
-        env = os.environ.get(TOKEN_ENV) or os.environ.get(API_KEY_ENV, "")
-        tokens = [t.strip() for t in env.split(",") if t.strip()]
+    tokens = args.token if args.token is not None else env_tokens(os.environ)
     try:
         check_bind(args.host, tokens)  # before loading the model: refuse fast
         chat_template = _chat_template(args.chat_template)

@@ -4,7 +4,7 @@ refuses a bad bind before the engine is loaded)."""
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .errors import InvalidRequest
 
@@ -25,6 +25,13 @@ TOKEN_ENV = "KVBATON_TOKEN"
 API_KEY_ENV = "KVBATON_API_KEY"  # read when KVBATON_TOKEN is unset (vLLM's --api-key, by its kvbaton name)
 
 
+def env_tokens(environ: Mapping[str, str]) -> list[str]:
+    """The tokens of a server given none on its command line: ``$KVBATON_TOKEN``, else
+    ``$KVBATON_API_KEY`` (comma-separated)."""
+    value = environ.get(TOKEN_ENV) or environ.get(API_KEY_ENV) or ""
+    return [t.strip() for t in value.split(",") if t.strip()]
+
+
 def is_loopback(host: str) -> bool:
     if host.lower() == "localhost":
         return True
@@ -39,5 +46,5 @@ def check_bind(host: str, tokens: Sequence[str]) -> None:
     if not is_loopback(host) and not tokens:
         raise InvalidRequest(
             f"refusing to bind {host}: a non-loopback address requires a token "
-            f"(pass --token or set {TOKEN_ENV}); without one, bind 127.0.0.1"
+            f"(pass --token or --api-key, or set {TOKEN_ENV} or {API_KEY_ENV}); without one, bind 127.0.0.1"
         )

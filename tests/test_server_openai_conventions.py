@@ -250,3 +250,12 @@ def test_openai_codes_map_back_to_the_sdk_errors():
     err = error_from_code("context_length_exceeded", "too long", "messages")
     assert isinstance(err, ContextTooLong) and err.param == "messages"
     assert error_from_code("not_supported", "no").status == 404
+
+
+@pytest.mark.unit
+def test_tokens_from_the_environment():
+    from kvbaton.serverconf import env_tokens
+
+    assert env_tokens({"KVBATON_API_KEY": "k1, k2"}) == ["k1", "k2"]
+    assert env_tokens({"KVBATON_TOKEN": "t", "KVBATON_API_KEY": "k"}) == ["t"]  # kvbaton's own name first
+    assert env_tokens({}) == []
