@@ -312,6 +312,18 @@ class ChatCompletionRequest(OpenAIRequest):
         return {**super().sampling_fields(), "max_tokens": self.max_completion_tokens or self.max_tokens}
 
 
+class ResponsesRequest(OpenAIRequest):
+    """The OpenAI Responses request, text only: ``input`` (text, or message items with text content),
+    ``instructions`` (a system message), ``max_output_tokens``."""
+
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        return {**super().sampling_fields(), "max_tokens": self.max_output_tokens or self.max_tokens}
+
+
 class CompletionRequest(OpenAIRequest):
     """The OpenAI (legacy) completion request: one prompt, text or token ids."""
 

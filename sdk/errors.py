@@ -96,13 +96,6 @@ class ModelNotFound(KvbatonError):
     status = 404
 
 
-class EndpointNotSupported(KvbatonError):
-    """The server knows this endpoint but does not implement it (e.g. the OpenAI Responses API)."""
-
-    code = "not_supported"
-    status = 404
-
-
 class PayloadTooLarge(InvalidRequest):
     """The request body exceeds the server's size limit."""
 
@@ -146,7 +139,6 @@ ERRORS_BY_CODE: dict[str, type[KvbatonError]] = {
         PoolExhausted,
         QuotaExceeded,
         ModelNotFound,
-        EndpointNotSupported,
         PayloadTooLarge,
         Unauthorized,
         ServerUnavailable,

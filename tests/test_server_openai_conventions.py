@@ -114,14 +114,30 @@ def test_context_overflow_is_context_length_exceeded_on_the_openai_routes(client
     assert native["error"]["code"] == "context_too_long"  # the SDK's ContextTooLong, as before
 
 
-def test_models_by_name_and_the_responses_api(client, http):
+def test_models_by_name(client):
     assert client.models.retrieve(NAMES[1]).id == NAMES[1]
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("gpt-4o")
     assert (err.value.code, err.value.param) == ("model_not_found", "model")
-    refused = http.post("/v1/responses", json={"model": NAMES[0], "input": "hi"})
-    assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_supported"
-    assert "/v1/chat/completions" in refused.json()["error"]["message"]
+
+
+def test_responses_api_is_a_chat_completion_in_another_shape(client):
+    response = client.responses.create(model=NAMES[0], input="Reply with one word: yes or no?", user="responses")
+    chat = client.chat.completions.create(model=NAMES[0], messages=YES_OR_NO, user="responses-chat")
+    assert response.status == "completed" and response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    cut = client.responses.create(model=NAMES[0], max_output_tokens=3, user="responses",
+                                  input=[{"role": "user", "content": [{"type": "input_text", "text": "Say hi"}]}],
+                                  instructions="Greet at length.", extra_body={"ignore_eos": True})
+    assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert cut.usage.output_tokens == 3
+    for refused, param in (({"stream": True}, "stream"), ({"tools": [{"type": "web_search"}]}, "tools"),
+                           ({"previous_response_id": response.id}, "previous_response_id")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=NAMES[0], input="hi", extra_body=refused)
+        assert err.value.param == param
+    for session in ("responses", "responses-chat"):
+        client.delete(f"/sessions/{session}", cast_to=object)
 
 
 def test_chat_template_renders_every_chat_path(client, http):
@@ -249,7 +265,6 @@ def test_sessions_are_slots_of_their_own():
 def test_openai_codes_map_back_to_the_sdk_errors():
     err = error_from_code("context_length_exceeded", "too long", "messages")
     assert isinstance(err, ContextTooLong) and err.param == "messages"
-    assert error_from_code("not_supported", "no").status == 404
 
 
 @pytest.mark.unit

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+"""The OpenAI-compatible API: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/responses`` (text, not streamed), and kvbaton's ``DELETE /v1/sessions/{id}``.
 
 One template method serves both completion endpoints, in the spirit of SGLang's
 ``OpenAIServingBase.handle_request``: ``OpenAIServing.handle`` parses the request into a ``Plan``,
@@ -31,7 +32,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from kvbaton.errors import (
     OPENAI_CODES,
-    EndpointNotSupported,
     HandleNotFound,
     HandleReleased,
     InvalidRequest,
@@ -45,7 +45,7 @@ from .. import protocol as p
 from .accesslog import note_tokens
 from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
 from .sse import Streams, StreamEvents, close_all, open_primed, prime_all, sse, stream_response
-from .openai_fields import check_fields
+from .openai_fields import COMPLETION_FIELDS, RESPONSES_FIELDS, FieldTable, check_fields
 from .state import ServerState
 from .tenancy import SlotKey, request_agent, request_reuse, request_session, request_tenant
 
@@ -145,6 +145,7 @@ class OpenAIServing:
     object: str  # of the whole answer
     chunk_object: str  # of a streamed chunk
     head: ClassVar[dict[str, Any]] = {}  # more fields after id/object/created/model
+    fields: ClassVar[FieldTable] = COMPLETION_FIELDS  # which undeclared request fields are accepted
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -160,21 +161,25 @@ class OpenAIServing:
             results, kept = await self.state.run(self.run_all, plan)
         for r in results:
             self.observe(r, plan)
-        payload = {
-            **self.header(plan, self.object),
-            "choices": [self.choice(i, self.message(r.text), r.finish_reason) for i, r in enumerate(results)],
-            "usage": usage(results),
-            "kvbaton": self.extension(plan, kept, results),
-        }
+        payload = self.answer(plan, results, kept)
         headers = {"X-Kvbaton-Handle": kept[0]} if kept[0] else {}
         if not all(r.exact for r in results):
             headers[APPROXIMATE_HEADER] = "true"
         return JSONResponse(payload, headers=headers or None)
 
+    def answer(self, plan: Plan, results: Sequence[Result], kept: list[str | None]) -> dict[str, Any]:
+        """The whole (not streamed) answer."""
+        return {
+            **self.header(plan, self.object),
+            "choices": [self.choice(i, self.message(r.text), r.finish_reason) for i, r in enumerate(results)],
+            "usage": usage(results),
+            "kvbaton": self.extension(plan, kept, results),
+        }
+
     def plan(self, body: p.OpenAIRequest, request: Request) -> Plan:
         state = self.state
         tenant = request_tenant(request)
-        check_fields(body.model_extra)
+        check_fields(body.model_extra, self.fields)
         ext = body.kvbaton or p.KvbatonExtension()
         agent = request_agent(request, ext.agent) or ""
         session = request_session(request, ext.session, (body.model_extra or {}).get("user"))
@@ -426,6 +431,54 @@ class CompletionServing(OpenAIServing):
         return {"text": text or ""}
 
 
+class ResponsesServing(ChatServing):
+    """``/v1/responses``, text only and whole (no stream): ``instructions`` + ``input`` are chat
+    messages, served exactly as a chat completion of one choice (the agent's retained handle, per
+    session, included); the answer is a Responses ``response`` with one ``output_text``."""
+
+    endpoint = "/v1/responses"
+    id_prefix = "resp_"
+    object = "response"
+    fields = RESPONSES_FIELDS
+
+    async def handle(self, body: p.OpenAIRequest, request: Request) -> Any:
+        if body.stream:
+            raise InvalidRequest("/v1/responses does not stream here; use /v1/chat/completions with stream",
+                                 param="stream")
+        return await super().handle(body, request)
+
+    def prompt(self, body: p.ResponsesRequest, ext: p.KvbatonExtension) -> tuple[Any, list[dict[str, Any]] | None]:
+        items: list[Any] = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+        messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        for item in items:
+            if not isinstance(item, dict) or item.get("type", "message") != "message":
+                kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+                raise InvalidRequest(f"only message input items are supported, got {kind!r}", param="input")
+            messages.append({"role": item.get("role"), "content": item.get("content")})
+        return openai_messages(messages), None
+
+    def answer(self, plan: Plan, results: Sequence[Result], kept: list[str | None]) -> dict[str, Any]:
+        result, counts = results[0], usage(results)
+        complete = result.finish_reason == "stop"
+        return {
+            "id": plan.id, "object": self.object, "created_at": plan.created, "model": plan.model,
+            "status": "completed" if complete else "incomplete",
+            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+            "error": None, "instructions": None, "metadata": {}, "parallel_tool_calls": False, "tool_choice": "none",
+            "tools": [], "temperature": plan.params[0].temperature, "top_p": plan.params[0].top_p,
+            "output": [{
+                "type": "message", "id": "msg_" + plan.id[len(self.id_prefix):], "status": "completed",
+                "role": "assistant", "content": [{"type": "output_text", "text": result.text, "annotations": []}],
+            }],
+            "usage": {
+                "input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
+                "total_tokens": counts["total_tokens"], "input_tokens_details": counts["prompt_tokens_details"],
+                "output_tokens_details": counts["completion_tokens_details"],
+            },
+            "kvbaton": self.extension(plan, kept, results),
+        }
+
+
 # -- routes ----------------------------------------------------------------------------------------
 
 
@@ -438,7 +491,7 @@ def _model_card(state: ServerState, name: str) -> dict[str, Any]:
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     oa: dict[str, Any] = {"tags": ["openai"], "responses": STREAM_RESPONSES}
-    chat, completion = ChatServing(state), CompletionServing(state)
+    chat, completion, responses = ChatServing(state), CompletionServing(state), ResponsesServing(state)
 
     @app.get("/v1/models", tags=["openai"])
     async def models() -> dict[str, Any]:
@@ -466,9 +519,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         released = await state.run(state.release_session, request_tenant(request), session_id)
         return p.SessionReleased(session=session_id, released=released)
 
-    @app.api_route("/v1/responses", methods=["POST"], tags=["openai"], responses=ERROR_RESPONSES,
-                   include_in_schema=False)
-    async def responses() -> Any:
-        # Refused by name rather than the router's bare 404, so a Responses-API client learns what to use.
-        raise EndpointNotSupported("the Responses API (/v1/responses) is not supported by this server; "
-                                   "use /v1/chat/completions")
+    @app.post("/v1/responses", tags=["openai"], responses=ERROR_RESPONSES)
+    async def create_response(body: p.ResponsesRequest, request: Request) -> Any:
+        """The Responses API, text only, not streamed (``docs/server.md#responses-api``)."""
+        return await responses.handle(body, request)

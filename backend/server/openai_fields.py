@@ -10,6 +10,7 @@ clients send the defaults explicitly. Fields that do not change what is generate
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvbaton.errors import InvalidRequest
@@ -54,6 +55,37 @@ UNSUPPORTED: dict[str, Any] = {
     "chat_template_kwargs": _ABSENT,
 }
 
+# The Responses API's own fields the server cannot honour (tools and structured output included:
+# that route is text only), refused unless at their no-op value.
+RESPONSES_UNSUPPORTED: dict[str, Any] = {
+    **{k: v for k, v in UNSUPPORTED.items() if k not in ("echo", "best_of", "suffix")},
+    "previous_response_id": _ABSENT,
+    "conversation": _ABSENT,
+    "reasoning": _ABSENT,
+    "background": False,
+    "include": [],
+    "truncation": "disabled",
+    "text": {"format": {"type": "text"}},
+    "tools": [],
+    "tool_choice": "none",
+    "max_tool_calls": _ABSENT,
+    "prompt": _ABSENT,
+    "top_logprobs": 0,
+}
+
+
+@dataclass(frozen=True)
+class FieldTable:
+    """One route's treatment of undeclared fields: ignored, left as they are, or refused."""
+
+    ignored: frozenset[str]
+    deferred: frozenset[str]
+    unsupported: dict[str, Any]
+
+
+COMPLETION_FIELDS = FieldTable(IGNORED, DEFERRED, UNSUPPORTED)
+RESPONSES_FIELDS = FieldTable(IGNORED | {"parallel_tool_calls"}, frozenset(), RESPONSES_UNSUPPORTED)
+
 # vLLM/SGLang extras honoured as top-level fields (also inside the ``kvbaton`` field): declared on
 # the request model, listed here for the docs.
 EXTRAS: tuple[str, ...] = ("top_k", "ignore_eos", "min_tokens")
@@ -69,14 +101,14 @@ def _no_op(value: Any, default: Any) -> bool:
     return bool(value == default)
 
 
-def check_fields(extra: dict[str, Any] | None) -> None:
+def check_fields(extra: dict[str, Any] | None, table: FieldTable = COMPLETION_FIELDS) -> None:
     """400 ``invalid_request`` naming the first field of ``extra`` (the body's undeclared fields)
     that the server would otherwise have to drop."""
     for name, value in (extra or {}).items():
-        if name in IGNORED or name in DEFERRED:
+        if name in table.ignored or name in table.deferred:
             continue
-        if name in UNSUPPORTED:
-            if _no_op(value, UNSUPPORTED[name]):
+        if name in table.unsupported:
+            if _no_op(value, table.unsupported[name]):
                 continue
             raise InvalidRequest(f"{name!r} is not supported by this server (docs/server.md#openai-fields)", param=name)
         raise InvalidRequest(f"unrecognized request argument {name!r} (docs/server.md#openai-fields)", param=name)
