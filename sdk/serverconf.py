@@ -14,7 +14,6 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # max_tokens of a request that gives none, on every route (native and OpenAI): one value, set by
 # --default-max-tokens. (SDK clients always send their own, SamplingParams' default.)
 DEFAULT_MAX_TOKENS = 256
-DEFAULT_OPENAI_MAX_TOKENS = DEFAULT_MAX_TOKENS  # the name before it held for every route
 DEFAULT_STATS_INTERVAL_S = 10.0  # how often the server logs its throughput line (0: never)
 DEFAULT_MAX_N = 8
 DEFAULT_MAX_AGENTS = 1024
