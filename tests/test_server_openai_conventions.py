@@ -167,6 +167,9 @@ def test_ignore_eos_and_min_tokens_generate_exactly_n(client):
         client.completions.create(model=NAMES[0], prompt=prompt, max_tokens=12,
                                   extra_body={"min_tokens": 2, "kvbaton": {"min_tokens": 3}})
     assert err.value.param == "min_tokens"
+    with pytest.raises(openai.BadRequestError) as err:  # more than max_tokens (here the server's default, 8)
+        client.completions.create(model=NAMES[0], prompt=prompt, extra_body={"min_tokens": 9})
+    assert err.value.param == "min_tokens" and "exceeds max_tokens 8" in err.value.message
     client.delete("/sessions/eos", cast_to=object)
 
 

@@ -44,8 +44,8 @@ from kvbaton.types import Result, Reuse, SamplingParams, StreamChunk
 from .. import protocol as p
 from .accesslog import note_tokens
 from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
-from .sse import Streams, StreamEvents, close_all, open_primed, prime_all, sse, stream_response
 from .openai_fields import COMPLETION_FIELDS, RESPONSES_FIELDS, FieldTable, check_fields
+from .sse import Streams, StreamEvents, close_all, open_primed, prime_all, sse, stream_response
 from .state import ServerState
 from .tenancy import SlotKey, request_agent, request_reuse, request_session, request_tenant
 
@@ -190,15 +190,16 @@ class OpenAIServing:
         policy = state.reuse(request_reuse(request, ext.reuse))
         fields = {k: v for k, v in body.sampling_fields().items() if v is not None}
         fields.setdefault("max_tokens", state.default_max_tokens)
+        if fields.get("min_tokens", 0) > fields["max_tokens"]:
+            raise InvalidRequest(f"min_tokens {fields['min_tokens']} exceeds max_tokens {fields['max_tokens']}",
+                                 param="min_tokens")
         seeds = [None if body.seed is None else (body.seed + i) % 2**63 for i in range(body.n)]
         params = [state.sampling({**fields, "seed": seed}) for seed in seeds]
         prompt, tools = self.prompt(body, ext)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return Plan(
             tenant=tenant, session=session, agent=agent, engine_agent=engine_agent, reuse=ext.handle, policy=policy,
-            keep=ext.keep,
-            step=ext.step,
-            params=params, prompt=prompt, tools=tools, include_usage=include_usage,
+            keep=ext.keep, step=ext.step, params=params, prompt=prompt, tools=tools, include_usage=include_usage,
             id=self.id_prefix + secrets.token_hex(12), created=int(time.time()),
             model=body.model if body.model in state.model_names else state.model,
         )
