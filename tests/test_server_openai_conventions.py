@@ -277,3 +277,15 @@ def test_tokens_from_the_environment():
     assert env_tokens({"KVBATON_API_KEY": "k1, k2"}) == ["k1", "k2"]
     assert env_tokens({"KVBATON_TOKEN": "t", "KVBATON_API_KEY": "k"}) == ["t"]  # kvbaton's own name first
     assert env_tokens({}) == []
+
+
+def test_a_session_is_its_tenants_own(secure_server):
+    from server_fixtures import TOKEN_B
+
+    body = {"messages": YES_OR_NO, "max_tokens": 1}
+    with secure_server.http() as a, secure_server.http(TOKEN_B) as b:
+        held = a.post("/v1/chat/completions", json=body, headers={"X-Kvbaton-Session": "shared-name"}).json()
+        assert b.delete("/v1/sessions/shared-name").json()["released"] == 0  # another tenant's session of that name
+        assert a.post("/v1/kv/fork", json={"handle": held["kvbaton"]["handle"], "k": 2}).status_code == 200
+        a.post("/v1/kv/release_all")
+        assert a.delete("/v1/sessions/shared-name").json()["released"] == 0  # release_all took it already
