@@ -13,9 +13,11 @@ _REPLACEMENT = "\ufffd"
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
+        self._min_tokens = min_tokens
+        self._armed_at = 0  # stop strings count once they end at or after this character (min_tokens)
         self._ids: list[int] = []
         self._emitted = 0  # characters of the decoded text already released
         self.text = ""
@@ -23,10 +25,13 @@ class Detokenizer:
 
     def add(self, token_id: int) -> str:
         """Add one generated token; return the newly final text (possibly empty)."""
+        if len(self._ids) + 1 == self._min_tokens:  # this is token min_tokens: its text may complete a stop
+            self._armed_at = len(self.text)
         self._ids.append(token_id)
         text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        for stop in self._stop:
-            at = text.find(stop)
+        armed = len(self._ids) >= self._min_tokens
+        for stop in self._stop if armed else ():
+            at = text.find(stop, max(0, self._armed_at - len(stop) + 1))
             if at != -1:
                 self.stopped = True
                 text = text[:at]

@@ -87,6 +87,7 @@ class Engine:
         fast_decode: bool = True,
         reuse: Reuse = "exact",
         audit_fraction: float = DEFAULT_AUDIT_FRACTION,
+        chat_template: str | None = None,
     ) -> None:
         check_reuse(reuse)
         self.reuse: Reuse = reuse
@@ -133,7 +134,7 @@ class Engine:
         if self.cache is not None and self.cache.tiers and prefetch:
             self.prefetcher = Prefetcher(self.kv, self._ste)
             weakref.finalize(self, self.prefetcher.close)
-        self.inputs = Inputs(lm)
+        self.inputs = Inputs(lm, chat_template)
         self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, prefill_chunk)
         # Cross-prefix reuse: every live exact state is indexed by content (spans.py). ``span_scope``
         # maps a request's agent to the scope its spans may come from (None: no cross-prefix reuse);

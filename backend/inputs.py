@@ -22,11 +22,16 @@ Context = str | Sequence[int]
 
 
 class Inputs:
-    """Tokenizer, vocabulary and context length of one loaded model."""
+    """Tokenizer, vocabulary, context length and chat template of one loaded model.
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    ``chat_template`` (Jinja text) replaces the tokenizer's own for this engine only: every path that
+    renders messages (generation, ``chat_tokens``, agents' fixed prompts, hence the spans indexed
+    from them) goes through ``chat_tokens``, so they all see the same template."""
+
+    def __init__(self, loaded: LoadedModel, chat_template: str | None = None) -> None:
         self._loaded = loaded
         self.tokenizer = loaded.tokenizer
+        self.chat_template = chat_template
 
     def tokenize(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -58,7 +63,8 @@ class Inputs:
         except Exception as exc:  # pydantic's ValidationError, or a non-mapping item
             raise InvalidRequest(f"invalid chat message: {exc}") from exc
         text = self.tokenizer.apply_chat_template(
-            rendered, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            rendered, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
+            chat_template=self.chat_template,
         )
         return self.tokenize(text)
 

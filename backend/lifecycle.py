@@ -213,11 +213,15 @@ class Lifecycle:
                 self.count_prefill(reused, prompt_len)
                 self.counters.tokens_approximate += approximate
             rng = make_generator(params, self._loaded.device)
-            detok = Detokenizer(self._loaded.tokenizer, params.stop)
+            detok = Detokenizer(self._loaded.tokenizer, params.stop, params.min_tokens)
+            eos = sorted(self._loaded.eos_token_ids)
             ttft = 0.0
             finish: str | None = None
             with self._scheduler.decoding():  # lets the scheduler wait for our next step
                 while finish is None:
+                    if len(generated) < params.min_tokens and eos:  # too early to end: EOS cannot be picked
+                        logits = logits.clone()
+                        logits[eos] = float("-inf")
                     token = sample(logits, params, rng)
                     if not generated:
                         ttft = time.perf_counter() - t0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from kvbaton.errors import InvalidRequest
 from kvbaton.handle import Handle
 from kvbaton.types import Reuse, SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -23,8 +24,11 @@ MAX_AGENT_CHARS = 200
 
 
 class ErrorDetail(BaseModel):
-    code: str = Field(description="Stable machine-readable code, the SDK exception's `code`.")
+    code: str = Field(description="Stable machine-readable code, the SDK exception's `code` (on the OpenAI routes "
+                      "`context_length_exceeded` for `context_too_long`).")
     message: str
+    type: str = Field(default="invalid_request_error", description="OpenAI's error type, from the HTTP status.")
+    param: str | None = Field(default=None, description="The request field at fault, when one is.")
 
 
 class ErrorBody(BaseModel):
@@ -159,6 +163,11 @@ class ReleaseResponse(BaseModel):
     released: int
 
 
+class SessionReleased(BaseModel):
+    session: str
+    released: int = Field(description="Handles the session's agents retained, now released.")
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str
@@ -243,10 +252,23 @@ class KvbatonExtension(BaseModel):
         "answer's kvbaton.exact and header X-Kvbaton-Approximate say so). Default: the server's (--reuse, 'exact' "
         "unless set).",
     )
+    session: str | None = Field(
+        default=None, min_length=1, max_length=MAX_AGENT_CHARS,
+        description="Session whose retained handles this request uses (also header X-Kvbaton-Session, else the "
+        "request's `user`); each session of an agent retains its own latest handle.",
+    )
+    top_k: int | None = Field(default=None, ge=0, description="As the top-level field (vLLM's extra).")
+    ignore_eos: bool | None = Field(default=None, description="As the top-level field (vLLM's extra).")
+    min_tokens: int | None = Field(default=None, ge=0, description="As the top-level field (vLLM's extra).")
+
+
+# vLLM's sampling extras, accepted top-level and in the ``kvbaton`` field.
+_EXTRA_SAMPLING = ("top_k", "ignore_eos", "min_tokens")
 
 
 class OpenAIRequest(BaseModel):
-    """What the OpenAI chat and (legacy) completion requests share. Unknown fields are accepted and ignored."""
+    """What the OpenAI chat and (legacy) completion requests share. Undeclared fields are checked by
+    ``server/openai_fields`` (ignored when harmless, else 400 naming them)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -259,16 +281,28 @@ class OpenAIRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    top_k: int | None = Field(default=None, ge=0, description="vLLM's extra: sample from the k likeliest (0: off).")
+    ignore_eos: bool | None = Field(default=None, description="vLLM's extra: generate past end-of-sequence.")
+    min_tokens: int | None = Field(default=None, ge=0, description="vLLM's extra: no end-of-sequence or stop "
+                                   "string before this many tokens.")
     kvbaton: KvbatonExtension | None = None
 
     def sampling_fields(self) -> dict[str, Any]:
-        """The ``SamplingParams`` fields the request sets (None: not given); ``top_k`` is an extra field."""
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": (self.model_extra or {}).get("top_k"), "stop": self.stop}
+        """The ``SamplingParams`` fields the request sets (None: not given); vLLM's extras top-level or in
+        the ``kvbaton`` field (given in both, they must agree)."""
+        fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                  "stop": self.stop}
+        ext = self.kvbaton
+        for name in _EXTRA_SAMPLING:
+            top, inner = getattr(self, name), getattr(ext, name) if ext is not None else None
+            if top is not None and inner is not None and top != inner:
+                raise InvalidRequest(f"{name} is {top!r} but kvbaton.{name} is {inner!r}", param=name)
+            fields[name] = top if top is not None else inner
+        return fields
 
 
 class ChatCompletionRequest(OpenAIRequest):
-    """The OpenAI chat completion request. Unknown fields are accepted and ignored."""
+    """The OpenAI chat completion request."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -276,6 +310,18 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def sampling_fields(self) -> dict[str, Any]:
         return {**super().sampling_fields(), "max_tokens": self.max_completion_tokens or self.max_tokens}
+
+
+class ResponsesRequest(OpenAIRequest):
+    """The OpenAI Responses request, text only: ``input`` (text, or message items with text content),
+    ``instructions`` (a system message), ``max_output_tokens``."""
+
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        return {**super().sampling_fields(), "max_tokens": self.max_output_tokens or self.max_tokens}
 
 
 class CompletionRequest(OpenAIRequest):

@@ -36,8 +36,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         DEFAULT_MAX_BODY_BYTES,
         DEFAULT_MAX_HANDLES_PER_TENANT,
         DEFAULT_MAX_N,
-        DEFAULT_OPENAI_MAX_TOKENS,
+        DEFAULT_MAX_TOKENS,
         DEFAULT_PORT,
+        DEFAULT_STATS_INTERVAL_S,
         DEFAULT_THREADS,
     )
 
@@ -47,9 +48,17 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     net.add_argument("--token", action="append", default=None, metavar="TOKEN",
                      help="bearer token every request must carry; repeat for several tenants (each token is a "
-                     "tenant whose handles the others cannot see). Default: $KVBATON_TOKEN (comma-separated)")
+                     "tenant whose handles the others cannot see). Default: $KVBATON_TOKEN, else $KVBATON_API_KEY "
+                     "(comma-separated)")
+    net.add_argument("--api-key", action="append", default=None, metavar="KEY", dest="token",
+                     help="the same as --token (the name vLLM and SGLang use)")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--model", default=None, help="default model, or a local Hugging Face checkpoint dir")
+    eng.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="name(s) of the model in /v1/models and in answers' `model` (default: the model's own)")
+    eng.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                     help="Jinja chat template (a file, or the template itself) replacing the tokenizer's for every "
+                     "chat rendering: OpenAI and native routes, chat_tokens, agents' fixed prompts")
     eng.add_argument("--engine", default="kvbaton", choices=["kvbaton", "sglang"],
                      help="kvbaton's engine (default), or SGLang with the kvbaton plugin (GPU; needs "
                      "sglang==0.5.23 in this Python and --model <HF dir>; docs/sglang.md)")
@@ -107,8 +116,8 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"largest request body, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
     lim.add_argument("--max-tokens", type=int, default=None,
                      help="largest max_tokens a request may ask for, else 400 (default: the model's context)")
-    lim.add_argument("--default-max-tokens", type=int, default=DEFAULT_OPENAI_MAX_TOKENS,
-                     help=f"max_tokens of OpenAI requests that set none (default {DEFAULT_OPENAI_MAX_TOKENS})")
+    lim.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                     help=f"max_tokens of requests that set none, on every route (default {DEFAULT_MAX_TOKENS})")
     lim.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help=f"largest OpenAI n (default {DEFAULT_MAX_N})")
     lim.add_argument("--max-agents", type=int, default=DEFAULT_MAX_AGENTS,
                      help="agents per tenant whose latest handle the OpenAI endpoints retain "
@@ -123,23 +132,42 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                      'token, e.g. "2GiB" or "800 blocks", else 429 quota_exceeded (default: no limit)')
     lim.add_argument("--handle-ttl", type=float, default=None, metavar="SECONDS",
                      help="release handles no operation named for this long (default: never)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="info (default) logs one access line per request and a throughput line every "
+                        "--stats-interval seconds")
+    parser.add_argument("--stats-interval", type=float, default=DEFAULT_STATS_INTERVAL_S, metavar="SECONDS",
+                        help="seconds between throughput log lines, while requests come (0: none; "
+                        f"default {DEFAULT_STATS_INTERVAL_S:g})")
+
+
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself when it is a Jinja template."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def _serve(args: argparse.Namespace) -> int:
     from kvbaton.errors import KvbatonError
-    from kvbaton.serverconf import TOKEN_ENV, check_bind
+    from kvbaton.serverconf import check_bind, env_tokens
 
-    tokens = args.token
-    if tokens is None:
-        tokens = [t.strip() for t in os.environ.get(TOKEN_ENV, "").split(",") if t.strip()]
+    tokens = args.token if args.token is not None else env_tokens(os.environ)
     try:
         check_bind(args.host, tokens)  # before loading the model: refuse fast
-    except KvbatonError as exc:
+        chat_template = _chat_template(args.chat_template)
+    except (KvbatonError, ValueError, OSError) as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.engine == "sglang":
+        if chat_template is not None:
+            print("kvbaton serve: error: --chat-template is not supported with --engine sglang", file=sys.stderr)
+            return 2
         return _serve_sglang(args, tokens)
     engine_options = {
         "kv_budget": args.kv_budget,
@@ -154,6 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
         "lookahead": args.lookahead,
         "fast_decode": not args.no_fast_decode,
         "reuse": args.reuse,
+        **({"chat_template": chat_template} if chat_template is not None else {}),
     }
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
     world = args.world_size
@@ -183,6 +212,8 @@ def _serve(args: argparse.Namespace) -> int:
             threads=args.threads,
             reuse=args.reuse,
             shared_spans=args.shared_spans,
+            served_model_names=args.served_model_name,
+            stats_interval=args.stats_interval,
             **_tenant_limits(args),
         )
     except KvbatonError as exc:
@@ -249,7 +280,8 @@ def _serve_sglang(args: argparse.Namespace, tokens: list[str]) -> int:
 
         serve(args.host, args.port, model=args.model, token=tokens, log_level=args.log_level, engine_options=options,
               max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
-              max_n=args.max_n, max_agents=args.max_agents, threads=args.threads, **_tenant_limits(args))
+              max_n=args.max_n, max_agents=args.max_agents, threads=args.threads,
+              served_model_names=args.served_model_name, stats_interval=args.stats_interval, **_tenant_limits(args))
     except KvbatonError as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2

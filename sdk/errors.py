@@ -15,9 +15,10 @@ class KvbatonError(Exception):
     code: str = "kvbaton_error"
     status: int = 400  # an error of no more specific kind counts as the request's fault
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param  # the request field at fault, when one is (OpenAI clients read it)
 
 
 class InvalidRequest(KvbatonError, ValueError):
@@ -146,11 +147,15 @@ ERRORS_BY_CODE: dict[str, type[KvbatonError]] = {
 }
 
 
-def error_from_code(code: str, message: str) -> KvbatonError:
-    """The typed exception for an error ``code`` (as the server reports it); unknown codes give a
-    plain :class:`KvbatonError` that still carries the code."""
-    cls = ERRORS_BY_CODE.get(code)
-    err = (cls or KvbatonError)(message)
+# Codes the OpenAI routes answer with instead of kvbaton's own, for the clients that look for them.
+OPENAI_CODES: dict[str, str] = {ContextTooLong.code: "context_length_exceeded"}
+
+
+def error_from_code(code: str, message: str, param: str | None = None) -> KvbatonError:
+    """The typed exception for an error ``code`` (as the server reports it, OpenAI aliases
+    included); unknown codes give a plain :class:`KvbatonError` that still carries the code."""
+    cls = ERRORS_BY_CODE.get(code) or next((ERRORS_BY_CODE[k] for k, v in OPENAI_CODES.items() if v == code), None)
+    err = (cls or KvbatonError)(message, param=param)
     if cls is None:
         err.code = code
     return err

@@ -280,8 +280,8 @@ _STATUS_ERRORS: dict[int, type[KvbatonError]] = {
 def _error_from_body(status: int, body: bytes) -> KvbatonError:
     try:
         err = json.loads(body)["error"]
-        return error_from_code(str(err["code"]), str(err["message"]))
-    except (ValueError, KeyError, TypeError):
+        return error_from_code(str(err["code"]), str(err["message"]), err.get("param"))
+    except (ValueError, KeyError, TypeError, AttributeError):
         pass
     text = body.decode("utf-8", "replace")[:500]
     if status in _STATUS_ERRORS:

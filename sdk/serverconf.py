@@ -4,20 +4,31 @@ refuses a bad bind before the engine is loaded)."""
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .errors import InvalidRequest
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8470
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-DEFAULT_OPENAI_MAX_TOKENS = 256
+# max_tokens of a request that gives none, on every route (native and OpenAI): one value, set by
+# --default-max-tokens. (SDK clients always send their own, SamplingParams' default.)
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_STATS_INTERVAL_S = 10.0  # how often the server logs its throughput line (0: never)
 DEFAULT_MAX_N = 8
 DEFAULT_MAX_AGENTS = 1024
 DEFAULT_THREADS = 64
 DEFAULT_MAX_HANDLES_PER_TENANT = 4096  # live handles of one tenant (0: no limit)
 MAX_JSON_DEPTH = 64  # deepest nesting of arrays/objects in a request body
 TOKEN_ENV = "KVBATON_TOKEN"
+API_KEY_ENV = "KVBATON_API_KEY"  # read when KVBATON_TOKEN is unset (vLLM's --api-key, by its kvbaton name)
+
+
+def env_tokens(environ: Mapping[str, str]) -> list[str]:
+    """The tokens of a server given none on its command line: ``$KVBATON_TOKEN``, else
+    ``$KVBATON_API_KEY`` (comma-separated)."""
+    value = environ.get(TOKEN_ENV) or environ.get(API_KEY_ENV) or ""
+    return [t.strip() for t in value.split(",") if t.strip()]
 
 
 def is_loopback(host: str) -> bool:
@@ -34,5 +45,5 @@ def check_bind(host: str, tokens: Sequence[str]) -> None:
     if not is_loopback(host) and not tokens:
         raise InvalidRequest(
             f"refusing to bind {host}: a non-loopback address requires a token "
-            f"(pass --token or set {TOKEN_ENV}); without one, bind 127.0.0.1"
+            f"(pass --token or --api-key, or set {TOKEN_ENV} or {API_KEY_ENV}); without one, bind 127.0.0.1"
         )

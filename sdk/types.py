@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .handle import Handle
 
@@ -40,6 +40,16 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: tuple[str, ...] = Field(default=(), max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
+    min_tokens: int = Field(
+        default=0, ge=0, description="Fewest tokens to generate: end-of-sequence and stop strings do not end the "
+        "generation before (a stop string counts once it ends in the text of token `min_tokens` or later).",
+    )
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod

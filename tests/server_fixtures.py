@@ -51,6 +51,7 @@ class ServerProcess:
         # couple of cores, and oversubscribed OpenMP threads slow every step several times over.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         env.pop("KVBATON_TOKEN", None)
+        env.pop("KVBATON_API_KEY", None)
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
         if wait:

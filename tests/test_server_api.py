@@ -138,7 +138,7 @@ def test_typed_errors_through_the_sdk(client):
 
 def _error(response: httpx.Response) -> tuple[int, str]:
     body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "type", "param"}, body
     assert body["error"]["message"]
     return response.status_code, body["error"]["code"]
 

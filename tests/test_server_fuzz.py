@@ -32,7 +32,7 @@ NATIVE = [
     "POST /v1/kv/fidelity",
     "POST /v1/kv/transfer",
 ]
-OPENAI = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models/{model_id}"]
+OPENAI = ["POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "GET /v1/models/{model_id}"]
 NO_INPUT = {"POST /v1/kv/release_all", "GET /v1/kv/stats", "GET /v1/models/{model_id}"}  # nothing to make invalid
 EXAMPLES = {GenerationMode.POSITIVE: 20, GenerationMode.NEGATIVE: 10}
 CASES = [(label, mode) for label in NATIVE + OPENAI for mode in EXAMPLES

@@ -15,7 +15,7 @@ from server_fixtures import TOKEN_A, TOKEN_B, free_port
 
 def _error(response) -> tuple[int, str]:
     body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "type", "param"}, body
     return response.status_code, body["error"]["code"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from kvbaton import SamplingParams, connect
 
 
@@ -44,6 +45,32 @@ def test_max_tokens_and_timings(engine):
     assert result.finish_reason == "length"
     assert len(result.token_ids) == result.timings.tokens_generated == 5
     assert 0 < result.timings.ttft_s <= result.timings.total_s
+
+
+YES_OR_NO = [{"role": "user", "content": "Reply with one word: yes or no?"}]
+
+
+def test_min_tokens_holds_off_end_of_sequence(engine):
+    natural = engine.generate(YES_OR_NO, sampling=SamplingParams(max_tokens=32))
+    assert natural.finish_reason == "stop" and natural.timings.tokens_generated < 8  # "Yes." then EOS
+    held = engine.generate(YES_OR_NO, sampling=SamplingParams(max_tokens=12, min_tokens=12))
+    assert held.finish_reason == "length" and held.timings.tokens_generated == 12
+    assert held.token_ids[: len(natural.token_ids) - 1] == natural.token_ids[:-1]  # greedy until EOS was due
+
+
+def test_min_tokens_holds_off_stop_strings(engine):
+    # Greedy continues ", the city of Nova...": the stop string " " appears in token 2 already.
+    early = engine.complete("Once upon a time", SamplingParams(max_tokens=8, stop=[" "]))
+    late = engine.complete("Once upon a time", SamplingParams(max_tokens=8, min_tokens=4, stop=[" "]))
+    assert early.text == "," and len(early.token_ids) == 2
+    # A stop string counts once it ends in the text of token min_tokens or later.
+    assert late.text == ", the city" and len(late.token_ids) == 4 and late.finish_reason == "stop"
+
+
+@pytest.mark.unit
+def test_min_tokens_beyond_max_tokens_is_refused():
+    with pytest.raises(ValueError, match="min_tokens 9 exceeds max_tokens 8"):
+        SamplingParams(max_tokens=8, min_tokens=9)
 
 
 def test_concurrent_requests_from_threads_are_exact(engine, corpus_tokens):

@@ -14,7 +14,8 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -27,6 +28,7 @@ from kvbaton.ops import EngineOps
 from kvbaton.types import Reuse
 
 from .. import protocol as p
+from .accesslog import AccessLogMiddleware, Throughput
 from .errors import ERROR_RESPONSES, RETRY_AFTER_S, install_error_handlers
 from .metrics import CONTENT_TYPE
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
@@ -57,7 +59,7 @@ def create_app(
     token: str | Sequence[str] | Mapping[str, str] | None = None,
     max_body_bytes: int = conf.DEFAULT_MAX_BODY_BYTES,
     max_tokens: int | None = None,
-    default_max_tokens: int = conf.DEFAULT_OPENAI_MAX_TOKENS,
+    default_max_tokens: int = conf.DEFAULT_MAX_TOKENS,
     max_n: int = conf.DEFAULT_MAX_N,
     max_agents: int = conf.DEFAULT_MAX_AGENTS,
     threads: int = conf.DEFAULT_THREADS,
@@ -66,6 +68,8 @@ def create_app(
     handle_ttl: float | None = None,
     reuse: Reuse | None = None,
     shared_spans: bool = False,
+    served_model_names: Sequence[str] | None = None,
+    stats_interval: float = conf.DEFAULT_STATS_INTERVAL_S,
 ) -> FastAPI:
     """The FastAPI app around ``target``: a :class:`kvbaton.backend.Engine` (or any
     :class:`kvbaton.ops.EngineOps`: ``Cluster``, ``SglangEngine``) or an ``EmbeddedClient``.
@@ -73,7 +77,7 @@ def create_app(
     ``token``: one bearer token, several (each its own tenant), or a ``{token: tenant_name}`` map;
     ``None`` (or empty) serves without authentication, everything in one tenant.
     ``max_tokens`` caps ``max_tokens`` of every request (default: the model's context);
-    ``default_max_tokens`` applies to OpenAI requests that give none.
+    ``default_max_tokens`` applies to requests that give none (every route).
     ``max_handles_per_tenant`` (0/None: no limit) and ``max_kv_bytes_per_tenant`` (bytes, ``"2GiB"``
     or ``"N blocks"``; None: no limit) are each tenant's quotas (429 ``quota_exceeded`` beyond);
     ``handle_ttl`` (seconds; None: off) releases handles no operation named for that long.
@@ -81,6 +85,9 @@ def create_app(
     ``Engine(reuse=...)``, else ``"exact"``). With several tokens each tenant's requests reuse only
     their own tenant's spans across prefixes (the engine's ``span_scope``) unless ``shared_spans``;
     an engine without ``span_scope`` (``Cluster``) then serves every request ``"exact"``.
+    ``served_model_names`` are the model's names in ``/v1/models`` and in answers (default: its own).
+    Every request is logged at INFO on ``kvbaton.access``, and the throughput every ``stats_interval``
+    seconds (0: never) on ``kvbaton.stats``.
     """
     engine = engine_of(target)
     tenants = tenant_map(token)
@@ -88,14 +95,17 @@ def create_app(
         engine, tenants=tenants, max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n,
         max_agents=max_agents, threads=threads, fallback_max_tokens=DEFAULT_MAX_TOKENS,
         max_handles_per_tenant=max_handles_per_tenant, max_kv_bytes_per_tenant=max_kv_bytes_per_tenant,
-        handle_ttl=handle_ttl, reuse=reuse, shared_spans=shared_spans,
+        handle_ttl=handle_ttl, reuse=reuse, shared_spans=shared_spans, served_model_names=served_model_names,
     )
+    throughput = Throughput(engine.stats)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tasks:
             if state.handle_ttl is not None:
                 tasks.start_soon(_sweep_forever, state)
+            if stats_interval > 0:
+                tasks.start_soon(_log_throughput_forever, state, throughput, stats_interval)
             yield
             tasks.cancel_scope.cancel()
 
@@ -118,7 +128,8 @@ def create_app(
         ok, reason = state.healthy()
         if ok:
             return p.Health(model=state.model, version=kvbaton.__version__)
-        error = p.ErrorDetail(code="server_unavailable", message=f"the engine cannot serve now: {reason}")
+        error = p.ErrorDetail(code="server_unavailable", message=f"the engine cannot serve now: {reason}",
+                              type="server_error")
         body = p.Health(status="unhealthy", reason=reason, model=state.model, version=kvbaton.__version__, error=error)
         return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": RETRY_AFTER_S})
 
@@ -135,7 +146,18 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(AuthMiddleware, tenants=tenants)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    app.add_middleware(AccessLogMiddleware, requests=throughput.finished)
     return app
+
+
+async def _log_throughput_forever(state: ServerState, throughput: Throughput, interval: float) -> None:
+    """The throughput line every ``interval`` seconds (none while idle); reading stats may block: off the loop."""
+    while True:
+        await anyio.sleep(interval)
+        try:
+            await state.run(throughput.log)
+        except Exception:  # noqa: BLE001 - the next interval tries again
+            log.exception("throughput log failed")
 
 
 async def _sweep_forever(state: ServerState) -> None:
@@ -178,9 +200,12 @@ def serve(
         from ..cluster import Cluster
 
         options = {k: v for k, v in (engine_options or {}).items() if k != "device"}
-        engine: Any = Cluster(model=model, engine_options=options, **cluster_options)
+        workers = len(cluster_options.get("devices") or ())
+        with _progress(f"starting {workers} worker(s) for {model or 'the default model'}"):
+            engine: Any = Cluster(model=model, engine_options=options, **cluster_options)
     else:
-        engine = Engine(model, **(engine_options or {}))
+        with _progress(f"loading {model or 'the default model'}"):
+            engine = Engine(model, **(engine_options or {}))
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default action the process would
     # die before the engine is closed (tier directories, worker processes): make it a clean exit.
     main = threading.current_thread() is threading.main_thread()
@@ -194,6 +219,28 @@ def serve(
         engine.close()
         if main:
             signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _progress(what: str, every_s: float = 10.0) -> Iterator[None]:
+    """Log ``what`` now, every ``every_s`` seconds while it lasts (a model load takes up to minutes),
+    and when it is done."""
+    start = time.monotonic()
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            log.info("%s... (%.0f s)", what, time.monotonic() - start)
+
+    log.info("%s...", what)
+    ticker = threading.Thread(target=beat, name="kvbaton-load-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+    log.info("%s: done in %.1f s", what, time.monotonic() - start)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

@@ -1,10 +1,13 @@
-"""The server's one error schema: ``{"error": {"code": ..., "message": ...}}``.
+"""The server's one error schema: ``{"error": {"code", "message", "type", "param"}}``.
 
 Owns the JSON error body, the exception handlers that answer every failure with it, and the
-OpenAPI description of error answers. Invariants: an SDK error answers with its class's ``status``
-(``kvbaton.errors``), so the status of a code is written in one place; the only codes without an
-exception class are the router's own (``not_found``, ``method_not_allowed``); a server-side failure
-while the engine says it cannot serve (every worker down) is 503 ``server_unavailable``, not 500;
+OpenAPI description of error answers. The body is the shape OpenAI clients parse (``type`` from the
+status, ``param`` the request field at fault or null), with kvbaton's own ``code``. Invariants: an
+SDK error answers with its class's ``status`` (``kvbaton.errors``), so the status of a code is
+written in one place; the only codes without an exception class are the router's own
+(``not_found``, ``method_not_allowed``); on the OpenAI routes a code with an OpenAI name
+(``OPENAI_CODES``: ``context_length_exceeded``) answers with that name; a server-side failure while
+the engine says it cannot serve (every worker down) is 503 ``server_unavailable``, not 500;
 capacity answers (503) carry ``Retry-After``.
 """
 
@@ -19,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kvbaton.errors import (
     ERRORS_BY_CODE,
+    OPENAI_CODES,
     InvalidRequest,
     KvbatonError,
     PayloadTooLarge,
@@ -46,17 +50,36 @@ _ROUTER_CODES: dict[int, str] = {
 }
 
 
-def error_body(code: str, message: str) -> dict[str, Any]:
-    return {"error": {"code": code, "message": message}}
+# OpenAI's error ``type`` by HTTP status (what its clients show; the class they raise is by status).
+_TYPES: dict[int, str] = {
+    401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+    410: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+}
+OPENAI_PATH_PREFIXES = ("/v1/chat/", "/v1/completions", "/v1/responses", "/v1/models")
 
 
-def error_response(code: str, message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(code, message), status_code=status, headers=headers)
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
-def exception_response(exc: KvbatonError) -> JSONResponse:
+def error_body(code: str, message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "type": error_type(status), "param": param}}
+
+
+def openai_code(code: str, path: str) -> str:
+    """The code a route answers with: OpenAI's name of it on the OpenAI routes, else kvbaton's."""
+    return OPENAI_CODES.get(code, code) if path.startswith(OPENAI_PATH_PREFIXES) else code
+
+
+def error_response(code: str, message: str, status: int, headers: dict[str, str] | None = None,
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(code, message, status, param), status_code=status, headers=headers)
+
+
+def exception_response(exc: KvbatonError, path: str = "") -> JSONResponse:
     headers = {"Retry-After": RETRY_AFTER_S} if isinstance(exc, PoolExhausted | ServerUnavailable) else None
-    return error_response(exc.code, exc.message, exc.status, headers=headers)
+    return error_response(openai_code(exc.code, path), exc.message, exc.status, headers=headers,
+                          param=getattr(exc, "param", None))
 
 
 def unavailable(exc: BaseException, healthy: Health | None) -> ServerUnavailable | None:
@@ -75,9 +98,9 @@ def in_band_error(exc: Exception, healthy: Health | None = None) -> dict[str, An
     """The error body of a failure after a response has started (reported inside the stream)."""
     exc = unavailable(exc, healthy) or exc
     if isinstance(exc, KvbatonError):
-        return error_body(exc.code, exc.message)
+        return error_body(exc.code, exc.message, exc.status, getattr(exc, "param", None))
     log.exception("stream failed", exc_info=exc)
-    return error_body(ServerError.code, type(exc).__name__)
+    return error_body(ServerError.code, type(exc).__name__, ServerError.status)
 
 
 def template_errors(fn: Callable[[], T]) -> T:
@@ -100,11 +123,11 @@ def install_error_handlers(app: FastAPI, healthy: Health | None = None) -> None:
 
     @app.exception_handler(KvbatonError)
     async def kvbaton_error(request: Request, exc: KvbatonError) -> JSONResponse:
-        return exception_response(unavailable(exc, healthy) or exc)
+        return exception_response(unavailable(exc, healthy) or exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
+        problems, params = [], []
         for err in exc.errors()[:10]:
             if err.get("type") == "json_invalid":
                 where = err.get("loc", ("body", "?"))[-1]
@@ -112,8 +135,11 @@ def install_error_handlers(app: FastAPI, healthy: Health | None = None) -> None:
                 problems.append(f"malformed JSON at position {where} ({reason})")
                 continue
             loc = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
+            params.append(loc)
             problems.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
-        return exception_response(InvalidRequest("invalid request: " + "; ".join(problems)))
+        param = (params[0] or None) if params else None
+        invalid = InvalidRequest("invalid request: " + "; ".join(problems), param=param)
+        return exception_response(invalid, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -124,7 +150,7 @@ def install_error_handlers(app: FastAPI, healthy: Health | None = None) -> None:
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         down = unavailable(exc, healthy)
         if down is not None:
-            return exception_response(down)
+            return exception_response(down, request.url.path)
         log.exception("internal error on %s %s", request.method, request.url.path)
         return error_response(ServerError.code, f"internal server error ({type(exc).__name__})", ServerError.status)
 

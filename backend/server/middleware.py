@@ -28,7 +28,7 @@ from .tenancy import SINGLE_TENANT
 
 async def _send_error(send: Send, exc: KvbatonError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Answer with ``exc`` before the app runs (the app's exception handlers are not reachable here)."""
-    body = json.dumps(error_body(exc.code, exc.message)).encode()
+    body = json.dumps(error_body(exc.code, exc.message, exc.status, exc.param)).encode()
     await send({
         "type": "http.response.start",
         "status": exc.status,

@@ -22,6 +22,7 @@ from kvbaton.stream import TokenStream
 from kvbaton.types import Composition, Fidelity, Result, SamplingParams, Stats, StreamChunk
 
 from .. import protocol as p
+from .accesslog import note_tokens
 from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
 from .sse import StreamEvents, open_primed, sse, stream_response
 from .state import ServerState
@@ -31,14 +32,15 @@ from .tenancy import request_agent, request_reuse, request_tenant
 class NativeEvents(StreamEvents):
     """``event: chunk`` per chunk, then ``event: result`` (the driver records the result handle for the tenant)."""
 
-    def __init__(self, state: ServerState, tenant: str, endpoint: str) -> None:
-        self.state, self.tenant, self.endpoint = state, tenant, endpoint
+    def __init__(self, state: ServerState, tenant: str, endpoint: str, scope: dict[str, Any] | None = None) -> None:
+        self.state, self.tenant, self.endpoint, self.scope = state, tenant, endpoint, scope
 
     def chunk(self, index: int, chunk: StreamChunk) -> list[str]:
         return [sse(chunk.model_dump_json(), "chunk")]
 
     def closing(self, index: int, result: Result, last: bool) -> list[str]:
         self.state.metrics.observe(self.endpoint, result)
+        note_tokens(self.scope, result)
         return []
 
     def finish(self, results: list[Result]) -> list[str]:
@@ -151,15 +153,19 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
         """A ``Result``, or its events with ``stream: true``; ``start(agent, sampling)`` opens the stream."""
         tenant = request_tenant(request)
         state.check_owned(tenant, handles)
-        open_stream = functools.partial(start, agent_of(request, tenant, agent), state.sampling(body.sampling_fields()))
+        fields = body.sampling_fields()
+        if "max_tokens" not in body.model_fields_set:  # the server's one default, as on the OpenAI routes
+            fields["max_tokens"] = state.default_max_tokens
+        open_stream = functools.partial(start, agent_of(request, tenant, agent), state.sampling(fields))
         if not body.stream:
             with state.admit(tenant):
                 result = await state.run(lambda: open_stream().until_done())
                 state.record(tenant, [result.handle])
             state.metrics.observe(endpoint, result)
+            note_tokens(request.scope, result)
             return result
         return await stream_response(state, tenant, lambda: open_primed([open_stream]),
-                                     NativeEvents(state, tenant, endpoint), state.admit(tenant))
+                                     NativeEvents(state, tenant, endpoint, request.scope), state.admit(tenant))
 
     @app.post("/v1/kv/resume", response_model=Result, **{**kv, "responses": STREAM_RESPONSES})
     async def resume(body: p.ResumeRequest, request: Request) -> Any:

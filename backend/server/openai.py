@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+"""The OpenAI-compatible API: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/responses`` (text, not streamed), and kvbaton's ``DELETE /v1/sessions/{id}``.
 
 One template method serves both completion endpoints, in the spirit of SGLang's
 ``OpenAIServingBase.handle_request``: ``OpenAIServing.handle`` parses the request into a ``Plan``,
@@ -29,15 +30,24 @@ from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest, ModelNotFound, PoolExhausted
+from kvbaton.errors import (
+    OPENAI_CODES,
+    HandleNotFound,
+    HandleReleased,
+    InvalidRequest,
+    ModelNotFound,
+    PoolExhausted,
+)
 from kvbaton.stream import TokenStream
 from kvbaton.types import Result, Reuse, SamplingParams, StreamChunk
 
 from .. import protocol as p
+from .accesslog import note_tokens
 from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
+from .openai_fields import COMPLETION_FIELDS, RESPONSES_FIELDS, FieldTable, check_fields
 from .sse import Streams, StreamEvents, close_all, open_primed, prime_all, sse, stream_response
 from .state import ServerState
-from .tenancy import SlotKey, request_agent, request_reuse, request_tenant
+from .tenancy import SlotKey, request_agent, request_reuse, request_session, request_tenant
 
 APPROXIMATE_HEADER = "X-Kvbaton-Approximate"
 """Response header, ``true`` on a (non-streamed) answer whose prompt K/V were partly reused approximately."""
@@ -106,6 +116,7 @@ class Plan:
     """One parsed OpenAI request: who asks, what the engine gets, the sampling of each choice."""
 
     tenant: str
+    session: str  # "" is the default session
     agent: str  # "" when none
     engine_agent: str | None
     reuse: p.HandleRef | None  # the caller's handle to reuse (else the agent's latest, for chat)
@@ -118,10 +129,12 @@ class Plan:
     include_usage: bool
     id: str
     created: int
+    model: str = ""  # the name answers carry: the served name asked for, else the first
+    scope: dict[str, Any] | None = None  # the request's ASGI scope: its access line counts the tokens
 
     @property
     def key(self) -> SlotKey:
-        return (self.tenant, self.agent)
+        return (self.tenant, self.session, self.agent)
 
 
 class OpenAIServing:
@@ -132,12 +145,14 @@ class OpenAIServing:
     object: str  # of the whole answer
     chunk_object: str  # of a streamed chunk
     head: ClassVar[dict[str, Any]] = {}  # more fields after id/object/created/model
+    fields: ClassVar[FieldTable] = COMPLETION_FIELDS  # which undeclared request fields are accepted
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
     async def handle(self, body: p.OpenAIRequest, request: Request) -> Any:
         plan = self.plan(body, request)
+        plan.scope = request.scope
         admission = self.state.admit(plan.tenant, len(plan.params))
         if body.stream:
             return await stream_response(self.state, plan.tenant, functools.partial(self.open_streams, plan),
@@ -145,23 +160,29 @@ class OpenAIServing:
         with admission:
             results, kept = await self.state.run(self.run_all, plan)
         for r in results:
-            self.observe(r)
-        payload = {
-            **self.header(plan, self.object),
-            "choices": [self.choice(i, self.message(r.text), r.finish_reason) for i, r in enumerate(results)],
-            "usage": usage(results),
-            "kvbaton": self.extension(plan, kept, results),
-        }
+            self.observe(r, plan)
+        payload = self.answer(plan, results, kept)
         headers = {"X-Kvbaton-Handle": kept[0]} if kept[0] else {}
         if not all(r.exact for r in results):
             headers[APPROXIMATE_HEADER] = "true"
         return JSONResponse(payload, headers=headers or None)
 
+    def answer(self, plan: Plan, results: Sequence[Result], kept: list[str | None]) -> dict[str, Any]:
+        """The whole (not streamed) answer."""
+        return {
+            **self.header(plan, self.object),
+            "choices": [self.choice(i, self.message(r.text), r.finish_reason) for i, r in enumerate(results)],
+            "usage": usage(results),
+            "kvbaton": self.extension(plan, kept, results),
+        }
+
     def plan(self, body: p.OpenAIRequest, request: Request) -> Plan:
         state = self.state
         tenant = request_tenant(request)
+        check_fields(body.model_extra, self.fields)
         ext = body.kvbaton or p.KvbatonExtension()
         agent = request_agent(request, ext.agent) or ""
+        session = request_session(request, ext.session, (body.model_extra or {}).get("user"))
         engine_agent = state.agent(tenant, agent)
         if body.n > state.max_n:
             raise InvalidRequest(f"n {body.n} exceeds the server's limit of {state.max_n}")
@@ -169,15 +190,18 @@ class OpenAIServing:
         policy = state.reuse(request_reuse(request, ext.reuse))
         fields = {k: v for k, v in body.sampling_fields().items() if v is not None}
         fields.setdefault("max_tokens", state.default_max_tokens)
+        if fields.get("min_tokens", 0) > fields["max_tokens"]:
+            raise InvalidRequest(f"min_tokens {fields['min_tokens']} exceeds max_tokens {fields['max_tokens']}",
+                                 param="min_tokens")
         seeds = [None if body.seed is None else (body.seed + i) % 2**63 for i in range(body.n)]
         params = [state.sampling({**fields, "seed": seed}) for seed in seeds]
         prompt, tools = self.prompt(body, ext)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return Plan(
-            tenant=tenant, agent=agent, engine_agent=engine_agent, reuse=ext.handle, policy=policy, keep=ext.keep,
-            step=ext.step,
-            params=params, prompt=prompt, tools=tools, include_usage=include_usage,
+            tenant=tenant, session=session, agent=agent, engine_agent=engine_agent, reuse=ext.handle, policy=policy,
+            keep=ext.keep, step=ext.step, params=params, prompt=prompt, tools=tools, include_usage=include_usage,
             id=self.id_prefix + secrets.token_hex(12), created=int(time.time()),
+            model=body.model if body.model in state.model_names else state.model,
         )
 
     def run_all(self, plan: Plan) -> tuple[list[Result], list[str | None]]:
@@ -192,11 +216,12 @@ class OpenAIServing:
             close_all(streams)
         return results, self.finish(plan, results)
 
-    def observe(self, result: Result) -> None:
+    def observe(self, result: Result, plan: Plan) -> None:
         self.state.metrics.observe(self.endpoint, result)
+        note_tokens(plan.scope, result)
 
     def header(self, plan: Plan, obj: str) -> dict[str, Any]:
-        return {"id": plan.id, "object": obj, "created": plan.created, "model": self.state.model, **self.head}
+        return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model, **self.head}
 
     @staticmethod
     def choice(index: int, part: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
@@ -260,7 +285,7 @@ class _OpenAIEvents(StreamEvents):
         return [self._chunk([self.serving.choice(index, self.serving.delta(chunk.text), None)])] if chunk.text else []
 
     def closing(self, index: int, result: Result, last: bool) -> list[str]:
-        self.serving.observe(result)
+        self.serving.observe(result, self.plan)
         if last:
             return []  # the last choice closes with the kvbaton field, in finish
         return [self._chunk([self.serving.choice(index, self.serving.delta(None), result.finish_reason)])]
@@ -275,6 +300,9 @@ class _OpenAIEvents(StreamEvents):
         return [*out, sse("[DONE]")]
 
     def error(self, body: dict[str, Any]) -> str:
+        err = body.get("error", {})
+        if "code" in err:
+            err["code"] = OPENAI_CODES.get(err["code"], err["code"])
         return sse(json.dumps(body))
 
 
@@ -404,11 +432,59 @@ class CompletionServing(OpenAIServing):
         return {"text": text or ""}
 
 
+class ResponsesServing(ChatServing):
+    """``/v1/responses``, text only and whole (no stream): ``instructions`` + ``input`` are chat
+    messages, served exactly as a chat completion of one choice (the agent's retained handle, per
+    session, included); the answer is a Responses ``response`` with one ``output_text``."""
+
+    endpoint = "/v1/responses"
+    id_prefix = "resp_"
+    object = "response"
+    fields = RESPONSES_FIELDS
+
+    async def handle(self, body: p.OpenAIRequest, request: Request) -> Any:
+        if body.stream:
+            raise InvalidRequest("/v1/responses does not stream here; use /v1/chat/completions with stream",
+                                 param="stream")
+        return await super().handle(body, request)
+
+    def prompt(self, body: p.ResponsesRequest, ext: p.KvbatonExtension) -> tuple[Any, list[dict[str, Any]] | None]:
+        items: list[Any] = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+        messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        for item in items:
+            if not isinstance(item, dict) or item.get("type", "message") != "message":
+                kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+                raise InvalidRequest(f"only message input items are supported, got {kind!r}", param="input")
+            messages.append({"role": item.get("role"), "content": item.get("content")})
+        return openai_messages(messages), None
+
+    def answer(self, plan: Plan, results: Sequence[Result], kept: list[str | None]) -> dict[str, Any]:
+        result, counts = results[0], usage(results)
+        complete = result.finish_reason == "stop"
+        return {
+            "id": plan.id, "object": self.object, "created_at": plan.created, "model": plan.model,
+            "status": "completed" if complete else "incomplete",
+            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+            "error": None, "instructions": None, "metadata": {}, "parallel_tool_calls": False, "tool_choice": "none",
+            "tools": [], "temperature": plan.params[0].temperature, "top_p": plan.params[0].top_p,
+            "output": [{
+                "type": "message", "id": "msg_" + plan.id[len(self.id_prefix):], "status": "completed",
+                "role": "assistant", "content": [{"type": "output_text", "text": result.text, "annotations": []}],
+            }],
+            "usage": {
+                "input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
+                "total_tokens": counts["total_tokens"], "input_tokens_details": counts["prompt_tokens_details"],
+                "output_tokens_details": counts["completion_tokens_details"],
+            },
+            "kvbaton": self.extension(plan, kept, results),
+        }
+
+
 # -- routes ----------------------------------------------------------------------------------------
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
-    card: dict[str, Any] = {"id": state.model, "object": "model", "created": 0, "owned_by": "kvbaton"}
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "kvbaton"}
     if state.max_context:
         card["max_model_len"] = state.max_context
     return card
@@ -416,17 +492,18 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     oa: dict[str, Any] = {"tags": ["openai"], "responses": STREAM_RESPONSES}
-    chat, completion = ChatServing(state), CompletionServing(state)
+    chat, completion, responses = ChatServing(state), CompletionServing(state), ResponsesServing(state)
 
     @app.get("/v1/models", tags=["openai"])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(state)]}
+        return {"object": "list", "data": [_model_card(state, name) for name in state.model_names]}
 
     @app.get("/v1/models/{model_id:path}", tags=["openai"], responses=ERROR_RESPONSES)
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != state.model:
-            raise ModelNotFound(f"this server runs {state.model!r}, not {model_id!r}")
-        return _model_card(state)
+        if model_id not in state.model_names:
+            raise ModelNotFound(f"the model {model_id!r} does not exist: this server serves "
+                                f"{', '.join(map(repr, state.model_names))}", param="model")
+        return _model_card(state, model_id)
 
     @app.post("/v1/chat/completions", **oa)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Any:
@@ -435,3 +512,15 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", **oa)
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
         return await completion.handle(body, request)
+
+    @app.delete("/v1/sessions/{session_id:path}", tags=["openai"], responses=ERROR_RESPONSES)
+    async def delete_session(session_id: str, request: Request) -> p.SessionReleased:
+        """Release the handles the tenant's agents retain in this session (its turns' K/V); the count
+        says whether there were any."""
+        released = await state.run(state.release_session, request_tenant(request), session_id)
+        return p.SessionReleased(session=session_id, released=released)
+
+    @app.post("/v1/responses", tags=["openai"], responses=ERROR_RESPONSES)
+    async def create_response(body: p.ResponsesRequest, request: Request) -> Any:
+        """The Responses API, text only, not streamed (``docs/server.md#responses-api``)."""
+        return await responses.handle(body, request)

@@ -65,6 +65,7 @@ class ServerState:
         handle_ttl: float | None = None,
         reuse: Reuse | None = None,
         shared_spans: bool = False,
+        served_model_names: Sequence[str] | None = None,
     ) -> None:
         self.engine = engine
         self.tenants = tenants
@@ -74,10 +75,14 @@ class ServerState:
         self.default_reuse: Reuse = reuse or getattr(engine, "reuse", None) or "exact"
         self.cross_prefix = self._scope_spans(shared_spans)
         first = engine.stats()
-        self.model = first.model
+        if served_model_names is not None and (not served_model_names or not all(served_model_names)):
+            raise InvalidRequest("served model names must be non-empty")
+        # The names the OpenAI routes report (the first in answers); the engine's own name by default.
+        self.model_names: list[str] = list(served_model_names or [first.model])
+        self.model = self.model_names[0]
         self.max_context: int | None = engine.max_context
         # max_tokens caps every request (default: the model's context); default_max_tokens applies to
-        # OpenAI requests that give none.
+        # requests that give none, on every route.
         self.max_tokens = max_tokens or self.max_context or fallback_max_tokens
         self.default_max_tokens = min(default_max_tokens, self.max_tokens)
         self.max_n = max_n
@@ -184,6 +189,12 @@ class ServerState:
         for slot in self.slots.tenant_slots(tenant):
             slot.take()
         ids = self.owners.live(tenant)
+        self.release_quietly(ids)
+        return len(ids)
+
+    def release_session(self, tenant: str, session: str) -> int:
+        """Release the handles the tenant's agents retain in ``session``; how many were held."""
+        ids = [hid for slot in self.slots.session(tenant, session) if (hid := slot.take()) is not None]
         self.release_quietly(ids)
         return len(ids)
 

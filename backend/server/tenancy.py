@@ -6,8 +6,9 @@ a tenant sees only the handles it made (``Owners``: any other id is ``HandleNotF
 unknown one); tenants share the engine but not agent names (``AgentNames``: tenant ``t``'s agent
 ``a`` is ``t/a`` in the engine), nor the spans that cross-prefix reuse places (``AgentNames.span_scope``,
 unless the server shares them explicitly); a tenant's live handles, plus those its requests in flight may
-make, stay within its ``Quota`` (``Owners.admit``); an OpenAI agent retains one handle, its latest
-(``AgentSlots``), and only its own tenant's requests may evict it.
+make, stay within its ``Quota`` (``Owners.admit``); an OpenAI agent retains one handle per session,
+its latest (``AgentSlots``, keyed by tenant, session and agent: two sessions of one app never resume
+each other's turns), and only its own tenant's requests may evict it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from kvbaton.errors import HandleNotFound, InvalidRequest, QuotaExceeded
@@ -33,7 +35,8 @@ _RELEASED_OWNERS = 1_000_000  # released ids remembered, so that owners still ge
 # Per-process secret of tenant ids: an id (in stats, logs) cannot be tested against guessed tokens offline.
 _SALT = secrets.token_bytes(32)
 
-SlotKey = tuple[str, str]  # (tenant, agent)
+SlotKey = tuple[str, str, str]  # (tenant, session, agent); "" is the default session and no agent
+SESSION_HEADER = "x-kvbaton-session"
 
 
 def tenant_id(token: str, salt: bytes | None = None) -> str:
@@ -68,6 +71,15 @@ def request_tenant(request: Request) -> str:
 def request_agent(request: Request, given: str | None) -> str | None:
     """The request's agent tag: the body's own, else the ``X-Kvbaton-Agent`` header."""
     return given if given is not None else request.headers.get("x-kvbaton-agent") or None
+
+
+def request_session(request: Request, given: str | None, user: Any = None) -> str:
+    """The request's session: the ``X-Kvbaton-Session`` header, else the body's ``kvbaton.session``,
+    else OpenAI's ``user`` field, else the default session ``""``."""
+    session = request.headers.get(SESSION_HEADER) or given or (user if isinstance(user, str) else None) or ""
+    if len(session) > MAX_AGENT_CHARS:
+        raise InvalidRequest(f"session names are at most {MAX_AGENT_CHARS} characters", param="session")
+    return session
 
 
 def request_reuse(request: Request, given: Reuse | None) -> Reuse | None:
@@ -289,7 +301,7 @@ class Slot:
 
 
 class AgentSlots:
-    """The latest result handle of each (tenant, agent) of the OpenAI endpoints.
+    """The latest result handle of each (tenant, session, agent) of the OpenAI endpoints.
 
     An agent's next request reuses it (the engine keeps the longest common token prefix), then the
     new result replaces it and the old one is released: a chatting agent holds one handle, not one
@@ -332,11 +344,21 @@ class AgentSlots:
             return out
 
     def forget(self, handle_ids: set[str]) -> None:
+        """The handles are gone: their slots hold nothing, and are dropped unless a request uses them
+        (an idle session's slots end with its handles)."""
         with self._lock:
-            for slot in self._slots.values():
+            for key, slot in list(self._slots.items()):
                 if slot.handle_id in handle_ids:
                     slot.handle_id, slot.exact = None, True
+                    if not slot.lock.locked():
+                        del self._slots[key]
+
+    def session(self, tenant: str, session: str) -> list[Slot]:
+        """Drop the tenant's slots of one session; the dropped ones (the caller releases their handles)."""
+        with self._lock:
+            keys = [key for key in self._slots if key[0] == tenant and key[1] == session]
+            return [self._slots.pop(key) for key in keys]
 
     def tenant_slots(self, tenant: str) -> list[Slot]:
         with self._lock:
-            return [slot for (t, _), slot in self._slots.items() if t == tenant]
+            return [slot for key, slot in self._slots.items() if key[0] == tenant]

@@ -398,6 +398,8 @@ class SglangEngine:
             "max_new_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
             "ignore_eos": params.ignore_eos,
         }
+        if params.min_tokens:
+            out["min_new_tokens"] = params.min_tokens
         if params.top_k:
             out["top_k"] = params.top_k
         if params.stop:
