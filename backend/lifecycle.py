@@ -24,14 +24,15 @@ import torch
 from kvbaton.handle import Handle
 from kvbaton.ops import check_agent
 from kvbaton.stream import TokenStream
-from kvbaton.types import Result, SamplingParams, SegmentReport, StreamChunk, Timings
+from kvbaton.types import Result, SamplingParams, SegmentReport, StreamChunk, Timings, TokenLogprob
 
+from .constrained import Constraint, Constraints
 from .detokenizer import Detokenizer
 from .handles import HandleTable
 from .kv_manager import KVManager
 from .loader import LoadedModel
 from .model_runner import Chunk
-from .sampler import make_generator, sample
+from .sampler import make_generator, sample, token_logprob
 from .scheduler import Scheduler
 from .sequence import KVState
 from .stats import AgentLatencies
@@ -65,6 +66,7 @@ class Lifecycle:
         self._loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.counters = RequestCounters()
+        self.constraints = Constraints(loaded)  # response formats (constrained decoding)
         self.on_register: Callable[[KVState], None] | None = None  # the engine's span index
         self.on_drop: Callable[[str], None] | None = None
 
@@ -179,20 +181,23 @@ class Lifecycle:
         ``prepare`` fills the prompt after admission (default: compute every uncached token)."""
         try:
             check_agent(agent)
+            constraint = self.constraints.start(params)  # a bad schema fails before admission
         except BaseException:
             self.abandon(state)
             raise
         state.agent = agent
-        chunks = self._decode(state, params, agent, prepare)
+        chunks = self._decode(state, params, agent, prepare, constraint)
         next(chunks)  # run up to the sentinel so that closing the stream, even unread, frees the state
         return TokenStream(chunks)  # type: ignore[arg-type]
 
     def _decode(
-        self, state: KVState, params: SamplingParams, agent: str | None = None, prepare: Prepare | None = None
+        self, state: KVState, params: SamplingParams, agent: str | None = None, prepare: Prepare | None = None,
+        constraint: Constraint | None = None,
     ) -> Generator[StreamChunk | None, None, Result]:
         """Prefill the uncached prompt, then generate token by token, yielding text as it becomes final."""
         prompt_len = state.num_tokens
         generated: list[int] = []
+        logprobs: list[TokenLogprob] = []
         registered = False
         try:
             yield None  # sentinel, consumed by stream()
@@ -218,7 +223,13 @@ class Lifecycle:
             finish: str | None = None
             with self._scheduler.decoding():  # lets the scheduler wait for our next step
                 while finish is None:
-                    token = sample(logits, params, rng)
+                    token = sample(logits if constraint is None else constraint.mask(logits), params, rng)
+                    step_logprobs = None
+                    if params.logprobs:
+                        step_logprobs = [token_logprob(logits, token, params.top_logprobs, self._loaded.tokenizer)]
+                        logprobs += step_logprobs
+                    if constraint is not None:
+                        constraint.advance(token)
                     if not generated:
                         ttft = time.perf_counter() - t0
                         if agent is not None:
@@ -230,13 +241,15 @@ class Lifecycle:
                     delta = detok.add(token)
                     if detok.stopped or (token in self._loaded.eos_token_ids and not params.ignore_eos):
                         finish = "stop"
+                    elif constraint is not None and constraint.ended:  # the grammar admits nothing more
+                        finish = "stop"
                     elif len(generated) >= params.max_tokens:
                         finish = "length"
                     else:
                         logits = self.compute(state)
                     if finish is not None:
                         delta += detok.flush()
-                    yield StreamChunk(text=delta, token_ids=[token])
+                    yield StreamChunk(text=delta, token_ids=[token], logprobs=step_logprobs)
             with self._lock:
                 self._kv.trim(state)
                 last = state.lineage[-1]
@@ -264,4 +277,5 @@ class Lifecycle:
             ),
             exact=handle.exact,
             segments=segments,
+            logprobs=logprobs if params.logprobs else None,
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .handle import Handle
 
@@ -27,6 +27,34 @@ Reuse = Literal["exact", "auto", "rotate"]
 """
 REUSE_POLICIES: tuple[str, ...] = ("exact", "auto", "rotate")
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+class ResponseFormat(BaseModel):
+    """What the output must be, OpenAI's ``response_format``: ``text`` (anything), ``json_object`` (one
+    JSON object) or ``json_schema`` (JSON valid for ``json_schema["schema"]``; also ``name``,
+    ``description``, ``strict``). The engine enforces it while decoding (docs/sdk.md, "Structured output")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = Field(
+        default=None, description="For type json_schema: {name, schema, description?, strict?}."
+    )
+
+    @field_validator("json_schema")
+    @classmethod
+    def _has_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and not isinstance(value.get("schema", {}), dict | bool):
+            raise ValueError("json_schema.schema must be a JSON schema object")
+        return value
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        return self
+
 
 class SamplingParams(BaseModel):
     """How to pick tokens. ``temperature=0`` (the default) is greedy decoding."""
@@ -40,6 +68,13 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: tuple[str, ...] = Field(default=(), max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = Field(
+        default=None, description="Constrain the output (JSON, a JSON schema); None or type 'text': unconstrained."
+    )
+    logprobs: bool = Field(default=False, description="Report the log probability of each generated token.")
+    top_logprobs: int = Field(
+        default=0, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: this many most likely alternatives per token."
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -85,6 +120,21 @@ class Timings(BaseModel):
 FinishReason = Literal["stop", "length"]
 
 
+class TopLogprob(BaseModel):
+    """One candidate token at a step, with its log probability under the model."""
+
+    token_id: int
+    token: str = Field(description="The token's text (a piece of a character may decode as U+FFFD).")
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log probability, and the most likely tokens at its step (``top_logprobs``).
+    Log probabilities are the model's own (temperature 1, before any response-format constraint)."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class Result(BaseModel):
     """The outcome of ``resume`` / ``generate``."""
 
@@ -102,6 +152,9 @@ class Result(BaseModel):
         default_factory=list,
         description="Spans of other contexts this request placed behind its own prefix, and what was done with each.",
     )
+    logprobs: list[TokenLogprob] | None = Field(
+        default=None, description="Per generated token, with ``logprobs=True``: its log probability and alternatives."
+    )
 
 
 class StreamChunk(BaseModel):
@@ -109,6 +162,7 @@ class StreamChunk(BaseModel):
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = Field(default=None, description="Of ``token_ids``, with ``logprobs=True``.")
 
 
 class AgentInfo(BaseModel):
