@@ -76,6 +76,12 @@ class SamplingParams(BaseModel):
         default=0, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: this many most likely alternatives per token."
     )
 
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
+        return self
+
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop_string(cls, value: Any) -> Any:
