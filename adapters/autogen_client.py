@@ -58,7 +58,8 @@ from kvbaton.client import AsyncClient, Client
 from kvbaton.errors import KvbatonError
 from kvbaton.handle import Handle
 from kvbaton.scope import Scope, arelease_quietly, is_kept
-from kvbaton.types import Result
+from kvbaton.tools import tool_call_format
+from kvbaton.types import ResponseFormat, Result
 from pydantic import BaseModel, Field
 
 from . import core
@@ -84,12 +85,29 @@ SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", 
 CREATE_ARGS = (*SAMPLING_KEYS, "reuse")
 """Keys ``extra_create_args`` may set: the sampling options and the reuse policy."""
 
+def _response_format(json_output: Any, tools: Sequence[Any], tool_choice: Any,
+                     schemas: Sequence[dict[str, Any]]) -> ResponseFormat | None:
+    """What constrained decoding enforces: one call of the allowed tools when ``tool_choice`` requires
+    one (a ``Tool`` or ``"required"``), else JSON for ``json_output`` (True: any object; a pydantic
+    model: its schema, strict)."""
+    if schemas and (tool_choice == "required" or isinstance(tool_choice, Tool)):
+        return tool_call_format(schemas)
+    if json_output is True:
+        return ResponseFormat(type="json_object")
+    if isinstance(json_output, type) and issubclass(json_output, BaseModel):
+        # Strict, as OpenAI's structured output: only the model's fields (a small model invents more).
+        schema = {**json_output.model_json_schema(), "additionalProperties": False}
+        return ResponseFormat(type="json_schema", json_schema={"name": json_output.__name__, "schema": schema,
+                                                               "strict": True})
+    return None
+
+
 DEFAULT_MODEL_INFO: ModelInfo = {
     "vision": False,
     "function_calling": True,
-    "json_output": False,
+    "json_output": True,  # enforced by constrained decoding (response_format)
     "family": ModelFamily.UNKNOWN,
-    "structured_output": False,
+    "structured_output": True,
     "multiple_system_messages": True,
 }
 
@@ -373,6 +391,9 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         chat = render_messages(messages, schemas, tools_in_system=in_system)
         engine_tools = schemas if schemas and not in_system else None
         options = self._sampling(extra_create_args)
+        fmt = _response_format(json_output, tools, tool_choice, schemas)
+        if fmt is not None:
+            options["response_format"] = fmt
         await self._register_fixed(chat, engine_tools)
         handle = await self._best_handle(messages, chat, engine_tools) if self._config.reuse_handles else None
         return chat, engine_tools, options, handle

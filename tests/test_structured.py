@@ -5,6 +5,7 @@ model's own."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 
@@ -125,3 +126,42 @@ def test_tools_and_calls_reach_a_template_without_tool_support(engine):
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
     assert "<|im_start|>tool\n<tool_response>18 C</tool_response><|im_end|>" in text
     assert engine.chat_tokens(ASK) == engine.chat_tokens(ASK, tools=None)  # no tools: the template as it is
+
+
+def test_framework_adapters_enforce_required_calls_and_structured_output(engine):
+    """The embedded path: kvbaton's LangChain model and AutoGen client constrain a required call
+    (and LangChain's ``with_structured_output``, which requires one) and AutoGen's ``json_output``."""
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("autogen_core")
+    from autogen_core.models import UserMessage
+    from autogen_core.tools import FunctionTool
+    from kvbaton.adapters.autogen import KvbatonChatCompletionClient
+    from kvbaton.adapters.langgraph import KvbatonChatModel
+    from pydantic import BaseModel
+
+    def get_weather(city: str) -> str:
+        """Get the current weather of a city."""
+        return "sunny"
+
+    class Weather(BaseModel):
+        city: str
+        temp: int
+
+    model = KvbatonChatModel(client=Client(engine), max_tokens=40)
+    answer = model.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert [(c["name"], c["args"]) for c in answer.tool_calls] == [("get_weather", {"city": "Paris"})]
+    weather = model.with_structured_output(Weather).invoke("Weather in Paris as JSON")
+    assert isinstance(weather, Weather) and weather.city == "Paris"
+
+    async def main() -> None:
+        client = KvbatonChatCompletionClient(Client(engine), max_tokens=40)
+        tool = FunctionTool(get_weather, description="Get the current weather of a city.")
+        called = await client.create([UserMessage(content="What is the weather in Paris?", source="user")],
+                                     tools=[tool], tool_choice=tool)
+        assert [(c.name, json.loads(c.arguments)) for c in called.content] == [("get_weather", {"city": "Paris"})]
+        typed = await client.create([UserMessage(content="Weather in Paris as JSON", source="user")],
+                                    json_output=Weather)
+        assert Weather.model_validate_json(typed.content).city == "Paris"
+        await client.close()
+
+    asyncio.run(main())
