@@ -111,9 +111,12 @@ DEFAULT_MODEL_INFO: ModelInfo = {
     "multiple_system_messages": True,
 }
 
-# what "auto" tool_prompt renders once with and without a tool, to learn whether the template shows tools
+# what "auto" tool_prompt renders once with and without a tool, and with the tool in the system block, to learn
+# whether the template shows tools its own way (kvbaton's engine writes that same block for a template that
+# ignores tools: kvbaton.tools)
 _PROBE_CHAT = [{"role": "user", "content": "x"}]
 _PROBE_TOOL = {"type": "function", "function": {"name": "kvbaton_probe", "parameters": {"type": "object"}}}
+_PROBE_IN_SYSTEM = core.with_tool_prompt(_PROBE_CHAT, [_PROBE_TOOL])
 
 
 class KvbatonChatCompletionClientConfig(BaseModel):
@@ -359,7 +362,8 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         return schemas
 
     def _renders_tools_sync(self, backend: Client) -> bool:
-        return backend.chat_tokens(_PROBE_CHAT, tools=[_PROBE_TOOL]) != backend.chat_tokens(_PROBE_CHAT)
+        with_tools = backend.chat_tokens(_PROBE_CHAT, tools=[_PROBE_TOOL])
+        return with_tools not in (backend.chat_tokens(_PROBE_CHAT), backend.chat_tokens(_PROBE_IN_SYSTEM))
 
     async def _tools_in_system(self, schemas: Sequence[dict[str, Any]]) -> bool:
         if not schemas or self._config.tool_prompt == "system":
@@ -368,7 +372,8 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
             return False
         if self._template_renders_tools is None:
             with_tools = await self._call("chat_tokens", _PROBE_CHAT, tools=[_PROBE_TOOL])
-            self._template_renders_tools = with_tools != await self._call("chat_tokens", _PROBE_CHAT)
+            self._template_renders_tools = with_tools not in (await self._call("chat_tokens", _PROBE_CHAT),
+                                                              await self._call("chat_tokens", _PROBE_IN_SYSTEM))
         return not self._template_renders_tools
 
     async def _prepare(
