@@ -297,4 +297,5 @@ class CompletionRequest(OpenAIRequest):
 
     def sampling_fields(self) -> dict[str, Any]:
         legacy = self.logprobs is not None
-        return {**super().sampling_fields(), "logprobs": legacy or None, "top_logprobs": self.logprobs if legacy else None}
+        return {**super().sampling_fields(), "logprobs": legacy or None,
+                "top_logprobs": self.logprobs if legacy else None}

@@ -15,7 +15,8 @@ PUBLIC = [
     "AgentInfo", "AgentStats", "AsyncClient", "AsyncTokenStream", "CacheStats", "Capabilities", "ChatMessage",
     "Client", "Composition", "ContextTooLong", "Fidelity", "Handle", "HandleNotFound", "HandleReleased",
     "IncompatibleHandle", "InvalidRequest", "KVOps", "KvbatonError", "LineageStep", "MergeConflict",
-    "ModelNotFound", "Op", "Placement", "PoolExhausted", "Positions", "ResponseFormat", "Result", "Reuse", "SamplingParams", "Segment",
+    "ModelNotFound", "Op", "Placement", "PoolExhausted", "Positions", "ResponseFormat", "Result", "Reuse",
+    "SamplingParams", "Segment",
     "SegmentReport", "ServerUnavailable", "Stats", "StepGraph", "StepGraphSpec", "StreamChunk", "Timings",
     "TokenLogprob", "TokenStream", "TopLogprob", "Unauthorized", "UnsupportedPositions", "aconnect", "connect",
 ]

@@ -118,7 +118,8 @@ def test_tools_and_calls_reach_a_template_without_tool_support(engine):
     history = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
     ]
     text = engine.detokenize(engine.chat_tokens(history, tools=TOOLS))

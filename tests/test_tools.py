@@ -37,7 +37,8 @@ def test_a_required_call_is_one_json_call_of_an_allowed_tool_with_only_its_param
     assert either["anyOf"][1]["properties"]["arguments"] == {"type": "object", "properties": {},
                                                              "additionalProperties": False}
     # what the format produces is what the parser reads
-    assert parse_tool_calls('{"name":"add","arguments":{"a":1,"b":2}}', ["add", "now"])[1][0].arguments == {"a": 1, "b": 2}
+    [call] = parse_tool_calls('{"name":"add","arguments":{"a":1,"b":2}}', ["add", "now"])[1]
+    assert (call.name, call.arguments) == ("add", {"a": 1, "b": 2})
 
 
 def test_openai_history_is_written_in_the_convention():
@@ -49,7 +50,8 @@ def test_openai_history_is_written_in_the_convention():
     ]
     system, call, result = template_messages(history, [ADD])
     assert system["content"].startswith("Be terse.\n\nYou can call these tools:\n<tools>\n")
-    assert call == {"role": "assistant", "content": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'}
+    assert call == {"role": "assistant",
+                    "content": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'}
     assert result == {"role": "tool", "content": "<tool_response>3</tool_response>"}
     with pytest.raises(InvalidRequest):
         template_messages([{"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}], None)
