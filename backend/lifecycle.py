@@ -11,7 +11,9 @@ Invariants:
 - blocks for the whole request are reserved at admission: a request that starts always finishes;
 - forwards and slow-tier loads run WITHOUT the engine lock; the lock is taken per step, never across
   a ``yield``, so an idle stream consumer cannot block other requests;
-- a request that fails or is abandoned gives every block back; only a finished one is registered.
+- a request that fails or is abandoned gives every block back; only a finished one is registered;
+- a request with a response format samples only tokens its grammar allows (:mod:`.constrained`), from
+  its own logits after the batched forward, so batching and the fused decode path are unchanged.
 """
 
 from __future__ import annotations
