@@ -12,7 +12,7 @@ unconstrained requests share forwards.
 Invariants: a schema that does not compile is ``InvalidRequest`` before the request takes a block;
 a constrained request ends ``"stop"`` only where its grammar accepts (it ended, or the model chose
 end-of-sequence where the grammar allows it), otherwise ``"length"``; the tokenizer's grammar view
-is built once per engine, on first use.
+is built once per process, on first use.
 """
 
 from __future__ import annotations
@@ -74,22 +74,27 @@ class Constraint:
         return self._matcher.is_accepting()
 
 
+# The grammar view of each tokenizer: built once per process (about 0.4 s), like the models themselves
+# (loader.load_model), and shared by every engine on that tokenizer.
+_tokenizers: dict[tuple[str, int], llguidance.LLTokenizer] = {}
+_tokenizers_lock = threading.Lock()
+
+
+def _llg_tokenizer(loaded: LoadedModel) -> llguidance.LLTokenizer:
+    key = (loaded.tokenizer_fingerprint, loaded.vocab_size)
+    with _tokenizers_lock:
+        if key not in _tokenizers:
+            _tokenizers[key] = llguidance.hf.from_tokenizer(
+                loaded.tokenizer, n_vocab=loaded.vocab_size, eos_token=sorted(loaded.eos_token_ids)
+            )
+        return _tokenizers[key]
+
+
 class Constraints:
     """The response formats of one loaded model: compiles them and starts a :class:`Constraint` per request."""
 
     def __init__(self, loaded: LoadedModel) -> None:
         self._loaded = loaded
-        self._lock = threading.Lock()
-        self._tokenizer: llguidance.LLTokenizer | None = None
-
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:  # built once (about 0.4 s), on first use
-            if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._loaded.tokenizer, n_vocab=self._loaded.vocab_size,
-                    eos_token=sorted(self._loaded.eos_token_ids),
-                )
-            return self._tokenizer
 
     def start(self, params: SamplingParams) -> Constraint | None:
         """The constraint of a request (None: unconstrained). Raises InvalidRequest for a bad schema."""
@@ -97,7 +102,7 @@ class Constraints:
         if fmt is None or fmt.type == "text":
             return None
         grammar = _grammar(fmt.model_dump_json())  # key order kept: JSON properties are generated in schema order
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(_llg_tokenizer(self._loaded), grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequest(f"response_format cannot be enforced: {matcher.get_error()}")
         return Constraint(matcher, self._loaded.vocab_size)
