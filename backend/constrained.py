@@ -68,11 +68,6 @@ class Constraint:
         """The grammar admits nothing more: the output is complete."""
         return self._matcher.is_stopped()
 
-    @property
-    def accepting(self) -> bool:
-        """The output so far is a complete match (the model may end here)."""
-        return self._matcher.is_accepting()
-
 
 # The grammar view of each tokenizer: built once per process (about 0.4 s), like the models themselves
 # (loader.load_model), and shared by every engine on that tokenizer.

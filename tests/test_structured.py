@@ -34,6 +34,9 @@ def test_json_schema_output_is_valid_json_for_the_schema(engine):
     value = json.loads(result.text)
     assert set(value) == {"city", "temp"} and isinstance(value["city"], str) and isinstance(value["temp"], int)
     assert result.finish_reason == "stop"  # ended where the grammar accepts
+    sampled = client.generate(ASK, max_tokens=40, response_format=AS_SCHEMA, temperature=0.9, top_k=20, top_p=0.9,
+                              seed=3)
+    assert set(json.loads(sampled.text)) == {"city", "temp"}  # the mask holds under sampling too
 
 
 def test_json_object_and_text_formats(engine):
