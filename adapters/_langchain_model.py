@@ -37,6 +37,7 @@ from langchain_core.messages import (
 from langchain_core.messages.tool import tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.utils.function_calling import convert_to_openai_tool
+from kvbaton.tools import tool_call_format
 from pydantic import ConfigDict, Field, SecretStr, model_validator
 
 from .core import (
@@ -282,12 +283,18 @@ class KvbatonChatModel(BaseChatModel):
             forced = choice
         elif choice in ("any", "required", True) and len(names) == 1:
             forced = names[0]
+        sampling = self._sampling(stop, kwargs)
+        # A required call is enforced by constrained decoding: exactly one call of the allowed tools.
+        required = [t for t in tools if t.get("function", t).get("name") == forced] if forced else (
+            tools if choice in ("any", "required", True) else [])
+        if required:
+            sampling["response_format"] = tool_call_format(required)
         metadata = getattr(run_manager, "metadata", None) if run_manager is not None else None
         candidates = [h for m in messages if (h := _handle_data(m)) is not None] if self.pass_handles else []
         return {"chat": with_tool_prompt(to_chat(messages), tools), "candidates": candidates,
                 "agent": self.agent or agent_from_metadata(metadata, getattr(ACTIVE_RUN.get(), "base_ns", "")),
                 "tool_names": names, "forced": forced,
-                "sampling": self._sampling(stop, kwargs), "reuse": kwargs.get("reuse", self.reuse)}
+                "sampling": sampling, "reuse": kwargs.get("reuse", self.reuse)}
 
     def _message(self, req: dict[str, Any], result: Any, chunk: bool = False) -> AIMessage:
         text = result.text

@@ -58,7 +58,8 @@ from kvbaton.client import AsyncClient, Client
 from kvbaton.errors import KvbatonError
 from kvbaton.handle import Handle
 from kvbaton.scope import Scope, arelease_quietly, is_kept
-from kvbaton.types import Result
+from kvbaton.tools import tool_call_format
+from kvbaton.types import ResponseFormat, Result
 from pydantic import BaseModel, Field
 
 from . import core
@@ -85,18 +86,38 @@ SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", 
 CREATE_ARGS = (*SAMPLING_KEYS, "reuse")
 """Keys ``extra_create_args`` may set: the sampling options and the reuse policy."""
 
+def _response_format(json_output: Any, tools: Sequence[Any], tool_choice: Any,
+                     schemas: Sequence[dict[str, Any]]) -> ResponseFormat | None:
+    """What constrained decoding enforces: one call of the allowed tools when ``tool_choice`` requires
+    one (a ``Tool`` or ``"required"``), else JSON for ``json_output`` (True: any object; a pydantic
+    model: its schema, strict)."""
+    if schemas and (tool_choice == "required" or isinstance(tool_choice, Tool)):
+        return tool_call_format(schemas)
+    if json_output is True:
+        return ResponseFormat(type="json_object")
+    if isinstance(json_output, type) and issubclass(json_output, BaseModel):
+        # Strict, as OpenAI's structured output: only the model's fields (a small model invents more).
+        schema = {**json_output.model_json_schema(), "additionalProperties": False}
+        return ResponseFormat(type="json_schema", json_schema={"name": json_output.__name__, "schema": schema,
+                                                               "strict": True})
+    return None
+
+
 DEFAULT_MODEL_INFO: ModelInfo = {
     "vision": False,
     "function_calling": True,
-    "json_output": False,
+    "json_output": True,  # enforced by constrained decoding (response_format)
     "family": ModelFamily.UNKNOWN,
-    "structured_output": False,
+    "structured_output": True,
     "multiple_system_messages": True,
 }
 
-# what "auto" tool_prompt renders once with and without a tool, to learn whether the template shows tools
+# what "auto" tool_prompt renders once with and without a tool, and with the tool in the system block, to learn
+# whether the template shows tools its own way (kvbaton's engine writes that same block for a template that
+# ignores tools: kvbaton.tools)
 _PROBE_CHAT = [{"role": "user", "content": "x"}]
 _PROBE_TOOL = {"type": "function", "function": {"name": "kvbaton_probe", "parameters": {"type": "object"}}}
+_PROBE_IN_SYSTEM = core.with_tool_prompt(_PROBE_CHAT, [_PROBE_TOOL])
 
 
 class KvbatonChatCompletionClientConfig(BaseModel):
@@ -313,7 +334,8 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         return schemas
 
     def _renders_tools_sync(self, backend: Client) -> bool:
-        return backend.chat_tokens(_PROBE_CHAT, tools=[_PROBE_TOOL]) != backend.chat_tokens(_PROBE_CHAT)
+        with_tools = backend.chat_tokens(_PROBE_CHAT, tools=[_PROBE_TOOL])
+        return with_tools not in (backend.chat_tokens(_PROBE_CHAT), backend.chat_tokens(_PROBE_IN_SYSTEM))
 
     async def _tools_in_system(self, schemas: Sequence[dict[str, Any]]) -> bool:
         if not schemas or self._config.tool_prompt == "system":
@@ -322,7 +344,8 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
             return False
         if self._template_renders_tools is None:
             with_tools = await self._call("chat_tokens", _PROBE_CHAT, tools=[_PROBE_TOOL])
-            self._template_renders_tools = with_tools != await self._call("chat_tokens", _PROBE_CHAT)
+            self._template_renders_tools = with_tools not in (await self._call("chat_tokens", _PROBE_CHAT),
+                                                              await self._call("chat_tokens", _PROBE_IN_SYSTEM))
         return not self._template_renders_tools
 
     async def _prepare(
@@ -345,6 +368,9 @@ class KvbatonChatCompletionClient(ChatCompletionClient, Component[KvbatonChatCom
         chat = render_messages(messages, schemas, tools_in_system=in_system)
         engine_tools = schemas if schemas and not in_system else None
         options = self._sampling(extra_create_args)
+        fmt = _response_format(json_output, tools, tool_choice, schemas)
+        if fmt is not None:
+            options["response_format"] = fmt
         await self._register_fixed(chat, engine_tools)
         handle = await self._best_handle(messages, chat, engine_tools) if self._config.reuse_handles else None
         return chat, engine_tools, options, handle

@@ -39,21 +39,26 @@ import atexit
 import functools
 import os
 import inspect
-import json
 import logging
-import re
 import threading
-import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvbaton.client import AsyncClient, Client
 from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, ModelNotFound
 from kvbaton.handle import Handle, common_prefix_length
 from kvbaton.stepgraph import StepGraph
+from kvbaton.tools import (  # noqa: F401 (re-exported: the adapters' tool-call convention)
+    TOOL_PROMPT,
+    ToolCall,
+    parse_tool_calls,
+    render_tool_calls,
+    render_tools,
+    tool_result,
+    with_tool_prompt,
+)
 
 log = logging.getLogger("kvbaton.adapters")
 
@@ -154,104 +159,7 @@ def reuse_report(result: Any) -> dict[str, Any]:
     }
 
 
-# -- the tool-call convention -----------------------------------------------------------------------
-
-TOOL_PROMPT = (
-    "You can call these tools:\n<tools>\n{tools}\n</tools>\n"
-    'To call a tool, reply with <tool_call>{{"name": <tool name>, "arguments": <JSON object>}}</tool_call>.'
-)
-"""The tool block appended to the system prompt (Hermes style); ``{tools}``: one JSON line per tool."""
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A tool call parsed from model output."""
-
-    name: str
-    arguments: dict[str, Any]
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-
-def render_tools(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The tool block for OpenAI-style schemas (``{"type": "function", "function": {...}}`` or the
-    bare function dicts): each tool's name, description and parameters as one JSON line."""
-    lines = []
-    for tool in tools:
-        fn = tool.get("function", tool)
-        lines.append(json.dumps({k: fn[k] for k in ("name", "description", "parameters") if k in fn}, sort_keys=True))
-    return TOOL_PROMPT.format(tools="\n".join(lines))
-
-
-def with_tool_prompt(chat: Sequence[dict[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """``chat`` with the tool block appended to its first system message (one is added if none)."""
-    out = list(chat)
-    if not tools:
-        return out
-    block = render_tools(tools)
-    if out and out[0].get("role") == "system":
-        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
-    else:
-        out.insert(0, {"role": "system", "content": block})
-    return out
-
-
-def render_tool_calls(text: str, calls: Iterable[tuple[str, Any]]) -> str:
-    """An assistant turn with tool calls as the model writes it: ``text``, then one
-    ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` line per ``(name, arguments)``."""
-    rendered = "\n".join("<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
-                         for name, args in calls)
-    return f"{text}\n{rendered}" if text else rendered
-
-
-def tool_result(content: str) -> dict[str, str]:
-    """A tool's result as the chat message the model reads."""
-    return {"role": "tool", "content": f"<tool_response>{content}</tool_response>"}
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, ValueError, TypeError):
-        return None
-
-
-def _tool_call(item: Any, names: set[str]) -> ToolCall | None:
-    if not isinstance(item, dict) or item.get("name") not in names:
-        return None
-    args = item.get("arguments", item.get("parameters", {}))
-    if isinstance(args, str):
-        args = _json(args)
-    return ToolCall(item["name"], args if isinstance(args, dict) else {})
-
-
-def parse_tool_calls(
-    text: str, tool_names: Sequence[str], forced: str | None = None
-) -> tuple[str, list[ToolCall]]:
-    """Tool calls in model output: every ``<tool_call>{json}</tool_call>`` block (an unterminated last
-    block too), or, when there is none, a reply that is entirely a JSON object (or a list of them).
-    Only objects naming one of ``tool_names`` count; ``arguments`` (or ``parameters``) may be an
-    object or a JSON string. With ``forced`` (a single tool the caller requires), a bare JSON object
-    that is no call is taken as that tool's arguments.
-
-    Returns the text outside the calls and the calls; without calls, ``(text, [])``."""
-    names = set(tool_names)
-    if not names:
-        return text, []
-    whole = None
-    if "<tool_call>" in text:
-        found, rest = [_json(body) for body in _TOOL_CALL.findall(text)], _TOOL_CALL.sub("", text).strip()
-    else:
-        whole = _json(text.strip())
-        found, rest = (whole if isinstance(whole, list) else [whole]), ""
-    calls = [c for item in found if (c := _tool_call(item, names)) is not None]
-    if calls:
-        return rest, calls
-    if forced is not None and isinstance(whole, dict):
-        return "", [ToolCall(forced, whole)]
-    return text, []
-
+# -- the tool-call convention: kvbaton.tools (shared with the engine and the OpenAI route) ---------
 
 # -- the best handle --------------------------------------------------------------------------------
 

@@ -8,17 +8,25 @@ it may generate fits the model's context (:class:`ContextTooLong` otherwise).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from kvbaton.errors import ContextTooLong, InvalidRequest
+from kvbaton.tools import template_messages
 from kvbaton.types import ChatMessage
 
 from .loader import LoadedModel
 
 Context = str | Sequence[int]
+
+
+def _has_tool_parts(message: Any) -> bool:
+    """An assistant message with tool calls, or a tool's result."""
+    get = message.get if isinstance(message, dict) else lambda k, d=None: getattr(message, k, d)
+    return bool(get("tool_calls")) or get("role") == "tool"
 
 
 class Inputs:
@@ -55,6 +63,11 @@ class Inputs:
         """
         if isinstance(messages, str | bytes) or not messages:
             raise InvalidRequest("messages must be a non-empty list of {role, content} messages")
+        if not self._template_has_tools and (tools or any(_has_tool_parts(m) for m in messages)):
+            # The template would drop the tools and the calls silently: kvbaton's convention writes them.
+            messages = template_messages([m.model_dump(exclude_none=True) if isinstance(m, ChatMessage) else m
+                                          for m in messages], tools)
+            tools = None
         try:
             rendered = [
                 (m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m)).model_dump(exclude_none=True)
@@ -67,6 +80,12 @@ class Inputs:
             chat_template=self.chat_template,
         )
         return self.tokenize(text)
+
+    @functools.cached_property
+    def _template_has_tools(self) -> bool:
+        """Whether the model's chat template renders ``tools`` and assistant ``tool_calls`` itself."""
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        return "tools" in template and "tool_calls" in template
 
     def prompt_or_messages(self, value: Context | Sequence[ChatMessage | dict[str, Any]], what: str) -> list[int]:
         """Text, token ids, or chat messages (rendered without the generation prompt, so they are a

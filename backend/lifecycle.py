@@ -11,7 +11,9 @@ Invariants:
 - blocks for the whole request are reserved at admission: a request that starts always finishes;
 - forwards and slow-tier loads run WITHOUT the engine lock; the lock is taken per step, never across
   a ``yield``, so an idle stream consumer cannot block other requests;
-- a request that fails or is abandoned gives every block back; only a finished one is registered.
+- a request that fails or is abandoned gives every block back; only a finished one is registered;
+- a request with a response format samples only tokens its grammar allows (:mod:`.constrained`), from
+  its own logits after the batched forward, so batching and the fused decode path are unchanged.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ import torch
 from kvbaton.handle import Handle
 from kvbaton.ops import check_agent
 from kvbaton.stream import TokenStream
-from kvbaton.types import Result, SamplingParams, SegmentReport, StreamChunk, Timings
+from kvbaton.types import Result, SamplingParams, SegmentReport, StreamChunk, Timings, TokenLogprob
 
+from .constrained import Constraint, Constraints
 from .detokenizer import Detokenizer
 from .handles import HandleTable
 from .kv_manager import KVManager
 from .loader import LoadedModel
 from .model_runner import Chunk
-from .sampler import make_generator, sample
+from .sampler import make_generator, sample, token_logprob
 from .scheduler import Scheduler
 from .sequence import KVState
 from .stats import AgentLatencies
@@ -65,6 +68,7 @@ class Lifecycle:
         self._loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.counters = RequestCounters()
+        self.constraints = Constraints(loaded)  # response formats (constrained decoding)
         self.on_register: Callable[[KVState], None] | None = None  # the engine's span index
         self.on_drop: Callable[[str], None] | None = None
 
@@ -179,20 +183,23 @@ class Lifecycle:
         ``prepare`` fills the prompt after admission (default: compute every uncached token)."""
         try:
             check_agent(agent)
+            constraint = self.constraints.start(params)  # a bad schema fails before admission
         except BaseException:
             self.abandon(state)
             raise
         state.agent = agent
-        chunks = self._decode(state, params, agent, prepare)
+        chunks = self._decode(state, params, agent, prepare, constraint)
         next(chunks)  # run up to the sentinel so that closing the stream, even unread, frees the state
         return TokenStream(chunks)  # type: ignore[arg-type]
 
     def _decode(
-        self, state: KVState, params: SamplingParams, agent: str | None = None, prepare: Prepare | None = None
+        self, state: KVState, params: SamplingParams, agent: str | None = None, prepare: Prepare | None = None,
+        constraint: Constraint | None = None,
     ) -> Generator[StreamChunk | None, None, Result]:
         """Prefill the uncached prompt, then generate token by token, yielding text as it becomes final."""
         prompt_len = state.num_tokens
         generated: list[int] = []
+        logprobs: list[TokenLogprob] = []
         registered = False
         try:
             yield None  # sentinel, consumed by stream()
@@ -219,10 +226,17 @@ class Lifecycle:
             finish: str | None = None
             with self._scheduler.decoding():  # lets the scheduler wait for our next step
                 while finish is None:
+                    allowed = logits if constraint is None else constraint.mask(logits)
                     if len(generated) < params.min_tokens and eos:  # too early to end: EOS cannot be picked
-                        logits = logits.clone()
-                        logits[eos] = float("-inf")
-                    token = sample(logits, params, rng)
+                        allowed = allowed.clone() if allowed is logits else allowed
+                        allowed[eos] = float("-inf")
+                    token = sample(allowed, params, rng)
+                    step_logprobs = None
+                    if params.logprobs:
+                        step_logprobs = [token_logprob(logits, token, params.top_logprobs, self._loaded.tokenizer)]
+                        logprobs += step_logprobs
+                    if constraint is not None:
+                        constraint.advance(token)
                     if not generated:
                         ttft = time.perf_counter() - t0
                         if agent is not None:
@@ -234,13 +248,15 @@ class Lifecycle:
                     delta = detok.add(token)
                     if detok.stopped or (token in self._loaded.eos_token_ids and not params.ignore_eos):
                         finish = "stop"
+                    elif constraint is not None and constraint.ended:  # the grammar admits nothing more
+                        finish = "stop"
                     elif len(generated) >= params.max_tokens:
                         finish = "length"
                     else:
                         logits = self.compute(state)
                     if finish is not None:
                         delta += detok.flush()
-                    yield StreamChunk(text=delta, token_ids=[token])
+                    yield StreamChunk(text=delta, token_ids=[token], logprobs=step_logprobs)
             with self._lock:
                 self._kv.trim(state)
                 last = state.lineage[-1]
@@ -268,4 +284,5 @@ class Lifecycle:
             ),
             exact=handle.exact,
             segments=segments,
+            logprobs=logprobs if params.logprobs else None,
         )

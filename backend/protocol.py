@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from kvbaton.errors import InvalidRequest
 from kvbaton.handle import Handle
-from kvbaton.types import Reuse, SamplingParams
+from kvbaton.types import MAX_TOP_LOGPROBS, ResponseFormat, Reuse, SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 # A handle in a request: its id, or the whole handle (then checked for compatibility with the server's model).
@@ -307,9 +307,19 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
+        default=None, description="'required' or a named function is enforced by constrained decoding.")
+    parallel_tool_calls: bool | None = Field(default=None, description="Accepted; an answer holds at most the "
+                                             "calls the model writes (one when a call is required).")
+    response_format: ResponseFormat | None = Field(
+        default=None, description="text, json_object or json_schema: enforced by constrained decoding.")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def sampling_fields(self) -> dict[str, Any]:
-        return {**super().sampling_fields(), "max_tokens": self.max_completion_tokens or self.max_tokens}
+        return {**super().sampling_fields(), "max_tokens": self.max_completion_tokens or self.max_tokens,
+                "response_format": self.response_format, "logprobs": self.logprobs,
+                "top_logprobs": self.top_logprobs}
 
 
 class ResponsesRequest(OpenAIRequest):
@@ -328,3 +338,10 @@ class CompletionRequest(OpenAIRequest):
     """The OpenAI (legacy) completion request: one prompt, text or token ids."""
 
     prompt: ContextIn | list[str] | list[list[StrictInt]]
+    logprobs: int | None = Field(default=None, ge=0, le=5, description="Legacy: log probabilities of each token and "
+                                 "of this many most likely alternatives.")
+
+    def sampling_fields(self) -> dict[str, Any]:
+        legacy = self.logprobs is not None
+        return {**super().sampling_fields(), "logprobs": legacy or None,
+                "top_logprobs": self.logprobs if legacy else None}

@@ -1,9 +1,11 @@
-"""Turning next-token logits into a token under a request's sampling parameters."""
+"""Turning next-token logits into a token under a request's sampling parameters; the token's log probability."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from kvbaton.types import SamplingParams
+from kvbaton.types import SamplingParams, TokenLogprob, TopLogprob
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -36,3 +38,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         scores = scores.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int, tokenizer: Any) -> TokenLogprob:
+    """The log probability of ``token`` under ``logits`` (the model's distribution at temperature 1,
+    before any constraint), with the ``top`` most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    alternatives = []
+    if top:
+        values, ids = torch.topk(logprobs, top)
+        alternatives = [TopLogprob(token_id=int(i), token=tokenizer.decode([int(i)]), logprob=float(v))
+                        for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
+    return TokenLogprob(token_id=token, token=tokenizer.decode([token]), logprob=float(logprobs[token]),
+                        top_logprobs=alternatives)

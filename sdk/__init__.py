@@ -27,6 +27,7 @@ from .types import (
     ChatMessage,
     Composition,
     Fidelity,
+    ResponseFormat,
     Result,
     Reuse,
     SamplingParams,
@@ -34,6 +35,8 @@ from .types import (
     Stats,
     StreamChunk,
     Timings,
+    TokenLogprob,
+    TopLogprob,
 )
 
 __version__ = "0.1.0"
@@ -64,6 +67,7 @@ __all__ = [
     "Placement",
     "PoolExhausted",
     "Positions",
+    "ResponseFormat",
     "Result",
     "Reuse",
     "SamplingParams",
@@ -75,7 +79,9 @@ __all__ = [
     "StepGraphSpec",
     "StreamChunk",
     "Timings",
+    "TokenLogprob",
     "TokenStream",
+    "TopLogprob",
     "Unauthorized",
     "UnsupportedPositions",
     "aconnect",

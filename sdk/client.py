@@ -60,7 +60,8 @@ class Client:
     """Handle operators on one model, over any backend of the :class:`~kvbaton.ops.KVOps` contract
     (``client.ops``): the embedded engine, a multi-device cluster, SGLang, or a server over HTTP.
     Sampling options may be given as a :class:`~kvbaton.SamplingParams` or as keywords
-    (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``).
+    (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``, and what the
+    output must be and report: ``response_format``, ``logprobs``, ``top_logprobs``).
 
     The client adds only that keyword convenience: every call goes to ``ops`` unchanged, so the
     same code runs against every backend. A client is itself a :class:`~kvbaton.ops.KVOps` (its

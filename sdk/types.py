@@ -27,6 +27,34 @@ Reuse = Literal["exact", "auto", "rotate"]
 """
 REUSE_POLICIES: tuple[str, ...] = ("exact", "auto", "rotate")
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+class ResponseFormat(BaseModel):
+    """What the output must be, OpenAI's ``response_format``: ``text`` (anything), ``json_object`` (one
+    JSON object) or ``json_schema`` (JSON valid for ``json_schema["schema"]``; also ``name``,
+    ``description``, ``strict``). The engine enforces it while decoding (docs/sdk.md, "Structured output")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = Field(
+        default=None, description="For type json_schema: {name, schema, description?, strict?}."
+    )
+
+    @field_validator("json_schema")
+    @classmethod
+    def _has_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and not isinstance(value.get("schema", {}), dict | bool):
+            raise ValueError("json_schema.schema must be a JSON schema object")
+        return value
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        return self
+
 
 class SamplingParams(BaseModel):
     """How to pick tokens. ``temperature=0`` (the default) is greedy decoding."""
@@ -44,11 +72,23 @@ class SamplingParams(BaseModel):
         default=0, ge=0, description="Fewest tokens to generate: end-of-sequence and stop strings do not end the "
         "generation before (a stop string counts once it ends in the text of token `min_tokens` or later).",
     )
+    response_format: ResponseFormat | None = Field(
+        default=None, description="Constrain the output (JSON, a JSON schema); None or type 'text': unconstrained."
+    )
+    logprobs: bool = Field(default=False, description="Report the log probability of each generated token.")
+    top_logprobs: int = Field(
+        default=0, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: this many most likely alternatives per token."
+    )
 
     @model_validator(mode="after")
-    def _min_within_max(self) -> SamplingParams:
+    def _consistent(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
+        if self.min_tokens and self.response_format is not None and self.response_format.type != "text":
+            # a complete JSON value may leave only end-of-sequence allowed: nothing could be sampled
+            raise ValueError("min_tokens cannot be combined with a JSON response_format")
         return self
 
     @field_validator("stop", mode="before")
@@ -95,6 +135,21 @@ class Timings(BaseModel):
 FinishReason = Literal["stop", "length"]
 
 
+class TopLogprob(BaseModel):
+    """One candidate token at a step, with its log probability under the model."""
+
+    token_id: int
+    token: str = Field(description="The token's text (a piece of a character may decode as U+FFFD).")
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log probability, and the most likely tokens at its step (``top_logprobs``).
+    Log probabilities are the model's own (temperature 1, before any response-format constraint)."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class Result(BaseModel):
     """The outcome of ``resume`` / ``generate``."""
 
@@ -112,6 +167,9 @@ class Result(BaseModel):
         default_factory=list,
         description="Spans of other contexts this request placed behind its own prefix, and what was done with each.",
     )
+    logprobs: list[TokenLogprob] | None = Field(
+        default=None, description="Per generated token, with ``logprobs=True``: its log probability and alternatives."
+    )
 
 
 class StreamChunk(BaseModel):
@@ -119,6 +177,7 @@ class StreamChunk(BaseModel):
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = Field(default=None, description="Of ``token_ids``, with ``logprobs=True``.")
 
 
 class AgentInfo(BaseModel):

@@ -187,6 +187,17 @@ def test_generate_reuses_a_handle_of_the_rendered_system_prompt(kv) -> None:
     assert reused.timings.tokens_reused >= prefix.num_tokens - 1
 
 
+def test_a_response_format_is_enforced_and_logprobs_reported(kv) -> None:
+    age = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"],
+           "additionalProperties": False}
+    ask = {"role": "user", "content": "Return Bob's age (30) in a JSON object."}
+    result = kv.generate([ask], max_tokens=12, logprobs=True, top_logprobs=1,
+                         response_format={"type": "json_schema", "json_schema": {"name": "age", "schema": age}})
+    keep(kv, result.handle)
+    assert result.text == '{"age":30}' and result.finish_reason == "stop"
+    assert [e.token_id for e in result.logprobs] == result.token_ids and len(result.logprobs[0].top_logprobs) == 1
+
+
 def test_compose_and_merge_of_whole_handles_are_exact(kv) -> None:
     notes = keep(kv, kv.materialize(NOTES))
     composed = kv.compose(segments=[notes])
@@ -248,6 +259,8 @@ def test_a_handle_of_another_model_is_incompatible(kv) -> None:
         pytest.param(lambda kv, h: kv.tokenize(5), id="tokenize-non-text"),
         pytest.param(lambda kv, h: kv.resume(h, QUESTION, temperature=-1), id="bad-temperature"),
         pytest.param(lambda kv, h: kv.compose(segments=[h], mode="bogus"), id="unknown-compose-mode"),
+        pytest.param(lambda kv, h: kv.resume(h, QUESTION, response_format={
+            "type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}), id="bad-response-format"),
     ],
 )
 def test_bad_input_is_an_invalid_request_and_costs_nothing(kv, call) -> None:

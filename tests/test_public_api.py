@@ -15,9 +15,10 @@ PUBLIC = [
     "AgentInfo", "AgentStats", "AsyncClient", "AsyncTokenStream", "CacheStats", "Capabilities", "ChatMessage",
     "Client", "Composition", "ContextTooLong", "Fidelity", "Handle", "HandleNotFound", "HandleReleased",
     "IncompatibleHandle", "InvalidRequest", "KVOps", "KvbatonError", "LineageStep", "MergeConflict",
-    "ModelNotFound", "Op", "Placement", "PoolExhausted", "Positions", "Result", "Reuse", "SamplingParams", "Segment",
+    "ModelNotFound", "Op", "Placement", "PoolExhausted", "Positions", "ResponseFormat", "Result", "Reuse",
+    "SamplingParams", "Segment",
     "SegmentReport", "ServerUnavailable", "Stats", "StepGraph", "StepGraphSpec", "StreamChunk", "Timings",
-    "TokenStream", "Unauthorized", "UnsupportedPositions", "aconnect", "connect",
+    "TokenLogprob", "TokenStream", "TopLogprob", "Unauthorized", "UnsupportedPositions", "aconnect", "connect",
 ]
 
 

@@ -25,7 +25,7 @@ import json
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
@@ -39,7 +39,8 @@ from kvbaton.errors import (
     PoolExhausted,
 )
 from kvbaton.stream import TokenStream
-from kvbaton.types import Result, Reuse, SamplingParams, StreamChunk
+from kvbaton.tools import parse_tool_calls, required_tools, tool_call_format, tool_names
+from kvbaton.types import Result, Reuse, SamplingParams, StreamChunk, TokenLogprob
 
 from .. import protocol as p
 from .accesslog import note_tokens
@@ -131,6 +132,12 @@ class Plan:
     created: int
     model: str = ""  # the name answers carry: the served name asked for, else the first
     scope: dict[str, Any] | None = None  # the request's ASGI scope: its access line counts the tokens
+    tool_names: list[str] = field(default_factory=list)  # the tools an answer may call (chat)
+    forced: str | None = None  # the one tool the answer must call, when tool_choice names it
+
+    @property
+    def parses_tools(self) -> bool:
+        return bool(self.tool_names)
 
     @property
     def key(self) -> SlotKey:
@@ -171,7 +178,7 @@ class OpenAIServing:
         """The whole (not streamed) answer."""
         return {
             **self.header(plan, self.object),
-            "choices": [self.choice(i, self.message(r.text), r.finish_reason) for i, r in enumerate(results)],
+            "choices": [self.whole_choice(plan, i, r) for i, r in enumerate(results)],
             "usage": usage(results),
             "kvbaton": self.extension(plan, kept, results),
         }
@@ -227,6 +234,19 @@ class OpenAIServing:
     def choice(index: int, part: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, **part, "logprobs": None, "finish_reason": finish_reason}
 
+    def whole_choice(self, plan: Plan, index: int, result: Result) -> dict[str, Any]:
+        """A whole choice: its output and, when asked for, its log probabilities."""
+        part, finish = self.output(plan, result)
+        return {**self.choice(index, part, finish), "logprobs": self.logprobs(result.logprobs)}
+
+    def output(self, plan: Plan, result: Result) -> tuple[dict[str, Any], str]:
+        """A whole choice's output part and finish reason."""
+        return self.message(result.text), result.finish_reason
+
+    def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+        """The choice's ``logprobs`` field (None when not asked for); ``offset``: of the first token's text."""
+        return None
+
     @staticmethod
     def extension(plan: Plan, kept: list[str | None], results: Sequence[Result]) -> dict[str, Any]:
         """The ``kvbaton`` field of the answer: handles kept for the caller, agent, step, timings (one per
@@ -272,6 +292,7 @@ class _OpenAIEvents(StreamEvents):
 
     def __init__(self, serving: OpenAIServing, plan: Plan) -> None:
         self.serving, self.plan = serving, plan
+        self.offsets: dict[int, int] = {}  # per choice: characters streamed so far (legacy logprobs' text_offset)
 
     def _chunk(self, choices: list[dict[str, Any]], **more: Any) -> str:
         head = self.serving.header(self.plan, self.serving.chunk_object)
@@ -282,18 +303,34 @@ class _OpenAIEvents(StreamEvents):
         return [self._chunk([self.serving.choice(index, part, None)])] if part is not None else []
 
     def chunk(self, index: int, chunk: StreamChunk) -> list[str]:
-        return [self._chunk([self.serving.choice(index, self.serving.delta(chunk.text), None)])] if chunk.text else []
+        if self.plan.parses_tools or not (chunk.text or chunk.logprobs):
+            return []  # with tools, a choice is parsed whole and sent as its closing delta
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(chunk.text)
+        choice = self.serving.choice(index, self.serving.delta(chunk.text), None)
+        return [self._chunk([{**choice, "logprobs": self.serving.logprobs(chunk.logprobs, offset)}])]
+
+    def _closing(self, index: int, result: Result) -> dict[str, Any]:
+        if not self.plan.parses_tools:
+            return self.serving.choice(index, self.serving.delta(None), result.finish_reason)
+        # The whole choice in one delta: its text and tool calls, and its logprobs.
+        part, finish = self.serving.output(self.plan, result)
+        delta = {k: v for k, v in part["message"].items() if k != "role" and v is not None}
+        for i, call in enumerate(delta.get("tool_calls", [])):
+            call["index"] = i
+        choice = self.serving.choice(index, {"delta": delta}, finish)
+        return {**choice, "logprobs": self.serving.logprobs(result.logprobs)}
 
     def closing(self, index: int, result: Result, last: bool) -> list[str]:
         self.serving.observe(result, self.plan)
         if last:
             return []  # the last choice closes with the kvbaton field, in finish
-        return [self._chunk([self.serving.choice(index, self.serving.delta(None), result.finish_reason)])]
+        return [self._chunk([self._closing(index, result)])]
 
     def finish(self, results: list[Result]) -> list[str]:
         kept = self.serving.finish(self.plan, results)
         ext = self.serving.extension(self.plan, kept, results)
-        last = self.serving.choice(len(results) - 1, self.serving.delta(None), results[-1].finish_reason)
+        last = self._closing(len(results) - 1, results[-1])
         out = [self._chunk([last], kvbaton=ext)]
         if self.plan.include_usage:
             out.append(self._chunk([], usage=usage(results), kvbaton=ext))
@@ -320,7 +357,33 @@ class ChatServing(OpenAIServing):
     head: ClassVar[dict[str, Any]] = {"system_fingerprint": None}
 
     def prompt(self, body: p.ChatCompletionRequest, ext: p.KvbatonExtension) -> tuple[Any, list[dict[str, Any]] | None]:
-        return openai_messages(body.messages), body.tools
+        tools = None if body.tool_choice == "none" else body.tools  # "none": the model is not told of them
+        return openai_messages(body.messages), tools or None
+
+    def plan(self, body: p.ChatCompletionRequest, request: Request) -> Plan:  # type: ignore[override]
+        plan = super().plan(body, request)
+        return tool_plan(plan, body.tool_choice)
+
+    def output(self, plan: Plan, result: Result) -> tuple[dict[str, Any], str]:
+        if not plan.parses_tools:
+            return self.message(result.text), result.finish_reason
+        text, calls = parse_tool_calls(result.text, plan.tool_names, plan.forced)
+        if not calls:
+            return self.message(result.text), result.finish_reason
+        message = {"role": "assistant", "content": text or None, "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            for c in calls]}
+        return {"message": message}, "tool_calls"
+
+    def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+        """OpenAI chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+        if entries is None:
+            return None
+
+        def item(e: Any) -> dict[str, Any]:
+            return {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode())}
+
+        return {"content": [{**item(e), "top_logprobs": [item(t) for t in e.top_logprobs]} for e in entries]}
 
     def open_streams(self, plan: Plan) -> Streams:
         state = self.state
@@ -428,6 +491,18 @@ class CompletionServing(OpenAIServing):
     def message(self, text: str) -> dict[str, Any]:
         return {"text": text}
 
+    def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+        """The legacy shape: tokens, their logprobs, the alternatives by token, each token's text offset."""
+        if entries is None:
+            return None
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+                "text_offset": offsets}
+
     def delta(self, text: str | None) -> dict[str, Any]:
         return {"text": text or ""}
 
@@ -447,6 +522,9 @@ class ResponsesServing(ChatServing):
             raise InvalidRequest("/v1/responses does not stream here; use /v1/chat/completions with stream",
                                  param="stream")
         return await super().handle(body, request)
+
+    def plan(self, body: p.ResponsesRequest, request: Request) -> Plan:  # type: ignore[override]
+        return OpenAIServing.plan(self, body, request)  # no tools here (refused by the field table)
 
     def prompt(self, body: p.ResponsesRequest, ext: p.KvbatonExtension) -> tuple[Any, list[dict[str, Any]] | None]:
         items: list[Any] = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
@@ -478,6 +556,25 @@ class ResponsesServing(ChatServing):
             },
             "kvbaton": self.extension(plan, kept, results),
         }
+
+
+# -- tools -----------------------------------------------------------------------------------------
+
+
+def tool_plan(plan: Plan, tool_choice: Any) -> Plan:
+    """``plan`` with its tools' names to parse answers for, and, when ``tool_choice`` requires a call,
+    every choice constrained to one call of the allowed tools (:func:`kvbaton.tools.tool_call_format`)."""
+    tools = plan.tools or []
+    required = required_tools(tools, tool_choice) if tool_choice != "none" else None
+    plan.tool_names = tool_names(tools)
+    if required is None:
+        return plan
+    if any(params.response_format is not None and params.response_format.type != "text" for params in plan.params):
+        raise InvalidRequest("response_format cannot be combined with a tool_choice that requires a call")
+    fmt = tool_call_format(required)
+    plan.params = [params.model_copy(update={"response_format": fmt}) for params in plan.params]
+    plan.forced = tool_names(required)[0] if len(required) == 1 else None
+    return plan
 
 
 # -- routes ----------------------------------------------------------------------------------------

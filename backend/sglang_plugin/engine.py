@@ -394,6 +394,9 @@ class SglangEngine:
         return self._stream(prompt, lineage, sampling or SamplingParams(), agent, reusable=reusable)
 
     def _sampling(self, params: SamplingParams) -> dict[str, Any]:
+        if (params.response_format is not None and params.response_format.type != "text") or params.logprobs:
+            # Not wired to SGLang's own grammar backend and logprobs yet: refused, never ignored.
+            raise InvalidRequest("response_format and logprobs are not supported on the SGLang backend yet")
         out: dict[str, Any] = {
             "max_new_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
             "ignore_eos": params.ignore_eos,
