@@ -29,13 +29,14 @@ from kvbaton.errors import InvalidRequest
 from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, Segment, common_prefix_length
 from kvbaton.ops import Messages, check_agent, check_reuse, ste_map
 from kvbaton.stream import TokenStream
-from kvbaton.types import AgentInfo, Composition, Fidelity, Result, Reuse, SamplingParams, SegmentReport, Stats
+from kvbaton.types import AgentInfo, Composition, Events, Fidelity, Result, Reuse, SamplingParams, SegmentReport, Stats
 
 from .attention import ATTN_IMPLEMENTATION
 from .audit import FidelityAudit
 from .block_pool import BlockPool, PoolShape, blocks_for_budget
 from .compose import Composer, correction_config, top2_margin
 from .correction import AnchorPool, CorrectionConfig
+from .events import EventRing, ste_of
 from .eviction import EvictionPolicy
 from .handles import HandleTable, Identity
 from .inputs import Context, Inputs
@@ -87,6 +88,7 @@ class Engine:
         fast_decode: bool = True,
         reuse: Reuse = "exact",
         audit_fraction: float = DEFAULT_AUDIT_FRACTION,
+        event_capacity: int = 4096,
     ) -> None:
         check_reuse(reuse)
         self.reuse: Reuse = reuse
@@ -98,6 +100,7 @@ class Engine:
         # Tier directories first: a bad spec or an unwritable directory fails before the model loads.
         claimed = claim_tiers(tiers)
         self._ste: dict[str, float] = {}  # the agents' steps-to-execution, read live by the eviction policies
+        self.event_ring = EventRing(event_capacity)  # what requests, evictions and prefetches did (events.py)
         try:
             self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device,
                                                   attn_implementation=ATTN_IMPLEMENTATION)
@@ -111,6 +114,7 @@ class Engine:
             raise
         if self.cache is not None:
             weakref.finalize(self, self.cache.close)  # removes disk-tier files, at exit too
+            self.cache.on_evict = self._evicted
         self.runner = ModelRunner(lm, self.pool, fast_decode=fast_decode)
         self.scheduler = Scheduler(self.runner, max_batch_tokens=max(max_batch_tokens, prefill_chunk))
         # The worker threads keep the pool alive: stop them when an unclosed engine is collected.
@@ -132,9 +136,10 @@ class Engine:
         self.prefetcher: Prefetcher | None = None
         if self.cache is not None and self.cache.tiers and prefetch:
             self.prefetcher = Prefetcher(self.kv, self._ste)
+            self.prefetcher.on_prefetch = self._prefetched
             weakref.finalize(self, self.prefetcher.close)
         self.inputs = Inputs(lm)
-        self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, prefill_chunk)
+        self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, prefill_chunk, self.event_ring)
         # Cross-prefix reuse: every live exact state is indexed by content (spans.py). ``span_scope``
         # maps a request's agent to the scope its spans may come from (None: no cross-prefix reuse);
         # a multi-tenant server sets it to the agent's tenant.
@@ -331,6 +336,21 @@ class Engine:
         with self._lock:
             stats = engine_stats(self.loaded, self.kv, self.requests.counters, len(self.handles), self._ste)
         return stats.model_copy(update={"audit": self.audit.stats()})
+
+    def events(self, since: int = 0) -> Events:
+        """The events after sequence number ``since`` (requests, evictions, prefetches; events.py)."""
+        return self.event_ring.since(since)
+
+    def _evicted(self, nodes: list[Any], tier: str) -> None:
+        """An eviction round of the prefix cache, with the steps-to-execution that ranked it (lock held)."""
+        assert self.cache is not None
+        owners = {agent for node in nodes for agent in node.owners}
+        self.event_ring.emit("evict", blocks=len(nodes), tier=tier, policy=self.cache.policy.name,
+                             steps_to_execution=ste_of(owners, self._ste))
+
+    def _prefetched(self, agent: str, loaded: dict[str, int]) -> None:
+        for tier, blocks in loaded.items():
+            self.event_ring.emit("prefetch", agent=agent, blocks=blocks, tier=tier)
 
     def _behind(self, handle: HandleLike, tokens: list[int], op: Op, max_new_tokens: int = 0) -> KVState:
         """A new state: ``handle``'s tokens (their K/V shared) followed by ``tokens``."""

@@ -26,7 +26,7 @@ from kvbaton.client import sampling_params
 from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest
 from kvbaton.handle import Handle
 from kvbaton.ops import EngineOps, check_reuse, ste_map
-from kvbaton.types import Reuse, SamplingParams, Stats
+from kvbaton.types import Event, Events, Reuse, SamplingParams, Stats
 
 from .. import protocol as p
 from ..block_pool import blocks_for_budget
@@ -215,6 +215,29 @@ class ServerState:
             decisions = [d for d in stats.cluster.decisions if d.handle in mine]
             update["cluster"] = stats.cluster.model_copy(update={"workers": workers, "decisions": decisions})
         return stats.model_copy(update=update)
+
+    def events(self, tenant: str, since: int) -> Events:
+        """The engine's events after ``since`` that are the tenant's, by its own agent names: on a
+        multi-tenant server, requests of its agents (agentless ones when it made their handle) and
+        evictions of its agents' blocks (only its agents' steps-to-execution shown); ``next`` is the
+        engine's, so a tenant pages through the same sequence numbers."""
+        page = self.engine.events(since)
+        if not self.multi_tenant:
+            return page
+        made = self.owners.mine(tenant, [e.handle_out for e in page.events if e.agent is None and e.handle_out])
+        mine: list[Event] = []
+        for event in page.events:
+            if event.kind == "evict":
+                ste = {own: v for a, v in event.steps_to_execution.items()
+                       if (own := self.names.own_name(tenant, a)) is not None}
+                if ste:  # other tenants' blocks, or blocks of no agent, are not the tenant's to see
+                    mine.append(event.model_copy(update={"steps_to_execution": ste, "tenant": tenant}))
+            elif event.agent is None:
+                if event.handle_out in made:
+                    mine.append(event.model_copy(update={"tenant": tenant}))
+            elif (own := self.names.own_name(tenant, event.agent)) is not None:
+                mine.append(event.model_copy(update={"agent": own, "tenant": tenant}))
+        return page.model_copy(update={"events": mine})
 
     def hints(self, tenant: str, steps: Mapping[str, float], running: Sequence[str]) -> dict[str, float]:
         """Set the tenant's steps-to-execution; the engine gets every tenant's hints together."""
