@@ -218,8 +218,8 @@ class ServerState:
 
     def events(self, tenant: str, since: int) -> Events:
         """The engine's events after ``since`` that are the tenant's, by its own agent names: on a
-        multi-tenant server, requests of its agents (agentless ones when it made their handle) and
-        evictions of its agents' blocks (only its agents' steps-to-execution shown); ``next`` is the
+        multi-tenant server, requests of its agents (agentless ones when it made their handle), and the
+        shared pool's evictions with only its own agents' steps-to-execution; ``next`` is the
         engine's, so a tenant pages through the same sequence numbers."""
         page = self.engine.events(since)
         if not self.multi_tenant:
@@ -230,8 +230,9 @@ class ServerState:
             if event.kind == "evict":
                 ste = {own: v for a, v in event.steps_to_execution.items()
                        if (own := self.names.own_name(tenant, a)) is not None}
-                if ste:  # other tenants' blocks, or blocks of no agent, are not the tenant's to see
-                    mine.append(event.model_copy(update={"steps_to_execution": ste, "tenant": tenant}))
+                # The pool is shared: every tenant sees evictions (as it sees the pool's counters in
+                # stats), but only its own agents' steps-to-execution.
+                mine.append(event.model_copy(update={"steps_to_execution": ste}))
             elif event.agent is None:
                 if event.handle_out in made:
                     mine.append(event.model_copy(update={"tenant": tenant}))
