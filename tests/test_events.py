@@ -234,3 +234,40 @@ def test_the_live_page_shows_every_agent_of_a_run(secure_server) -> None:
     lanes = set(re.findall(r'<text x="6" y="[\d.]+" data-lane="([^"]+)"', done.stdout))
     assert set(agents) <= lanes, (lanes, done.stdout[-3000:])
     assert "this server needs its token" not in done.stdout
+
+
+# -- per-agent metrics (no model) ----------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_agent_metrics_carry_tenant_and_agent_labels_capped_at_the_first_n_agents() -> None:
+    from kvbaton.backend.server.metrics import AgentCollector
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    ring = EventRing(capacity=16)
+    registry = CollectorRegistry()
+    registry.register(AgentCollector(ring.since, lambda name: tuple(name.split("/", 1)), max_agents=2))
+
+    def request(agent: str, **tokens: int) -> None:
+        ring.emit("request", agent=agent, finish="stop", **tokens)
+
+    request("t1/planner", tokens_reused=30, tokens_approximate=10, tokens_prefilled=5, tokens_generated=4,
+            prefetch_hits=2, blocks_loaded={"device": 1, "host": 3})
+    request("t2/planner", tokens_prefilled=7)
+    request("t1/writer", tokens_prefilled=9)  # a third agent: over the cap
+    request("t1/planner", tokens_prefilled=1)
+    ring.emit("request", agent="t1/planner", finish="error", tokens_prefilled=100)  # failed: not counted
+    text = generate_latest(registry).decode()
+    assert 'kvbaton_agent_requests_total{agent="planner",tenant="t1"} 2.0' in text
+    assert 'kvbaton_agent_requests_total{agent="planner",tenant="t2"} 1.0' in text
+    assert 'kvbaton_agent_requests_total{agent="other",tenant="t1"} 1.0' in text and "writer" not in text
+    assert 'kvbaton_agent_prompt_tokens_total{agent="planner",source="reused",tenant="t1"} 20.0' in text
+    assert 'kvbaton_agent_prompt_tokens_total{agent="planner",source="approximate",tenant="t1"} 10.0' in text
+    assert 'kvbaton_agent_prompt_tokens_total{agent="planner",source="prefilled",tenant="t1"} 6.0' in text
+    assert 'kvbaton_agent_prefetch_blocks_total{agent="planner",outcome="hit",tenant="t1"} 2.0' in text
+    assert 'kvbaton_agent_prefetch_blocks_total{agent="planner",outcome="miss",tenant="t1"} 3.0' in text
+    for i in range(20):  # more than the ring holds between two scrapes: the loss is counted, not hidden
+        request("t1/planner")
+    text = generate_latest(registry).decode()
+    assert "kvbaton_events_dropped_total 4.0" in text  # events 6..9 fell out
+    assert 'kvbaton_agent_requests_total{agent="planner",tenant="t1"} 18.0' in text

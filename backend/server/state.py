@@ -31,7 +31,7 @@ from kvbaton.types import Event, Events, Reuse, SamplingParams, Stats
 from .. import protocol as p
 from ..block_pool import blocks_for_budget
 from .metrics import Metrics
-from .tenancy import Admission, AgentNames, AgentSlots, Owners, Quota
+from .tenancy import SINGLE_TENANT, Admission, AgentNames, AgentSlots, Owners, Quota
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class ServerState:
             bytes_per_token=first.bytes_per_block / first.block_size,
         ))
         self.slots = AgentSlots(max_agents)
-        self.metrics = Metrics(engine.stats)
+        self.metrics = Metrics(engine.stats, engine.events, self._tenant_and_agent)
         self._hints_lock = threading.Lock()
         self._hints: dict[str, dict[str, float]] = {}  # tenant -> {engine agent name: steps}
         self._limiter: anyio.CapacityLimiter | None = None
@@ -114,6 +114,13 @@ class ServerState:
             return False
         self.engine.span_scope = self.names.span_scope
         return True
+
+    def _tenant_and_agent(self, engine_name: str) -> tuple[str, str]:
+        """The (tenant id, the tenant's own agent name) of an engine agent name, for metric labels."""
+        tenant = self.names.span_scope(engine_name) if self.multi_tenant else None
+        if tenant is None:
+            return SINGLE_TENANT, engine_name
+        return tenant, engine_name[len(tenant) + 1:]
 
     def reuse(self, requested: Reuse | None) -> Reuse:
         """The reuse policy a request runs with: its own, else the server's default; always ``"exact"``
