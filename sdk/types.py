@@ -339,7 +339,8 @@ class Event(BaseModel):
     )
     t_queued: float | None = Field(default=None, description="Submitted to the engine.")
     t_admitted: float | None = Field(
-        default=None, description="Cached prefix attached (slow-tier loads included) and blocks reserved: prefill starts."
+        default=None,
+        description="Cached prefix attached (slow-tier loads included) and blocks reserved: prefill starts.",
     )
     t_first_token: float | None = Field(default=None, description="First generated token: prefill ends, decode starts.")
     t_done: float | None = None

@@ -36,8 +36,9 @@ def test_every_example_is_tested():
 def test_example_runs_in_both_modes_and_reports_metrics(name, capsys, tmp_path):
     import importlib
 
-    out = importlib.import_module(f"kvbaton.examples.{name}").main([*ARGS[name], *TINY, "--plot", str(tmp_path / "t.png")])
-    assert out["plot"] == str(tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 0  # the timeline
+    plot = tmp_path / "timeline.png"
+    out = importlib.import_module(f"kvbaton.examples.{name}").main([*ARGS[name], *TINY, "--plot", str(plot)])
+    assert out["plot"] == str(plot) and plot.stat().st_size > 0  # the timeline, both modes side by side
     kv, text = out["modes"]["kvbaton"], out["modes"]["text"]
     for report in (kv, text):
         assert AGENTS[name] <= set(report["per_agent"])

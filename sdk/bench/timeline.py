@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -79,19 +80,19 @@ def _lane(e: Event) -> str:
     return e.agent or "(no agent)"
 
 
-def _bars(ax: object, lane: int, e: Event, t0: float) -> None:
+def _bars(ax: Any, lane: int, e: Event, t0: float) -> None:
     """One request's phases in its lane; the prefill bar's height is split by where its prompt came from."""
     assert e.t_queued is not None and e.t_done is not None
     admitted = e.t_admitted if e.t_admitted is not None else e.t_queued
     first = e.t_first_token if e.t_first_token is not None else e.t_done
-    ax.barh(lane, admitted - e.t_queued, left=e.t_queued - t0, height=0.15, color=COLORS["queued"])  # type: ignore[attr-defined]
+    ax.barh(lane, admitted - e.t_queued, left=e.t_queued - t0, height=0.15, color=COLORS["queued"])
     prompt = e.tokens_reused + e.tokens_prefilled
     bottom = lane - 0.35
     for kind, n in (("exact", e.tokens_reused - e.tokens_approximate), ("approximate", e.tokens_approximate),
                     ("prefilled", e.tokens_prefilled)):
         if prompt and n > 0:
             h = 0.7 * n / prompt
-            ax.barh(bottom + h / 2, first - admitted, left=admitted - t0, height=h, color=COLORS[kind])  # type: ignore[attr-defined]
+            ax.barh(bottom + h / 2, first - admitted, left=admitted - t0, height=h, color=COLORS[kind])
             bottom += h
     if e.t_first_token is not None:
-        ax.barh(lane, e.t_done - first, left=first - t0, height=0.5, color=COLORS["decode"])  # type: ignore[attr-defined]
+        ax.barh(lane, e.t_done - first, left=first - t0, height=0.5, color=COLORS["decode"])
