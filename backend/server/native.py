@@ -29,6 +29,10 @@ from .state import ServerState
 from .tenancy import request_agent, request_reuse, request_tenant
 
 EVENT_POLL_S = 0.25  # how often an event stream looks for new events
+EVENT_STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **ERROR_RESPONSES,
+    200: {"content": {"text/event-stream": {}}, "description": "`event: event` per `Event`, live."},
+}
 
 
 class NativeEvents(StreamEvents):
@@ -210,7 +214,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
         and prefetches, the caller's tenant's only; pass ``next`` back as ``since`` to read on."""
         return await state.run(state.events, request_tenant(request), since)
 
-    @app.get("/v1/kv/events/stream", **{**kv, "response_class": EventStreamResponse})
+    @app.get("/v1/kv/events/stream", response_model=None, **{**kv, "responses": EVENT_STREAM_RESPONSES})
     async def events_stream(request: Request, since: int = Query(0, ge=0)) -> EventStreamResponse:
         """The same events as server-sent events, live: ``event: event`` with one ``Event`` each (its
         ``id`` is the sequence number); a comment line every poll keeps idle connections open."""
