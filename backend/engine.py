@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -100,6 +101,7 @@ class Engine:
         # Tier directories first: a bad spec or an unwritable directory fails before the model loads.
         claimed = claim_tiers(tiers)
         self._ste: dict[str, float] = {}  # the agents' steps-to-execution, read live by the eviction policies
+        self._ste_before_run: dict[str, float] = {}  # each hinted agent's STE just before a hint marked it running
         self.event_ring = EventRing(event_capacity)  # what requests, evictions and prefetches did (events.py)
         try:
             self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device,
@@ -140,6 +142,7 @@ class Engine:
             weakref.finalize(self, self.prefetcher.close)
         self.inputs = Inputs(lm)
         self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, prefill_chunk, self.event_ring)
+        self.requests.predicted = self._predicted
         # Cross-prefix reuse: every live exact state is indexed by content (spans.py). ``span_scope``
         # maps a request's agent to the scope its spans may come from (None: no cross-prefix reuse);
         # a multi-tenant server sets it to the agent's tenant.
@@ -348,6 +351,14 @@ class Engine:
         self.event_ring.emit("evict", blocks=len(nodes), tier=tier, policy=self.cache.policy.name,
                              steps_to_execution=ste_of(owners, self._ste))
 
+    def _predicted(self, agent: str | None) -> float | None:
+        """The steps-to-execution the hints gave ``agent`` just before it ran (None: unknown)."""
+        if not isinstance(agent, str):
+            return None
+        with self._lock:
+            value = self._ste_before_run.get(agent)
+        return None if value is None or math.isinf(value) else value
+
     def _prefetched(self, agent: str, loaded: dict[str, int]) -> None:
         for tier, blocks in loaded.items():
             self.event_ring.emit("prefetch", agent=agent, blocks=blocks, tier=tier)
@@ -424,6 +435,13 @@ class Engine:
         """
         ste = ste_map(steps, running, finished)
         with self._lock:
+            # What the step graph predicted for the agents now running (their events say it).
+            before: dict[str, float] = {}
+            for agent, value in ste.items():
+                if value == 0:  # running now: keep what the last hint said before it ran
+                    prev = self._ste.get(agent, math.inf)
+                    before[agent] = prev if prev != 0 else self._ste_before_run.get(agent, math.inf)
+            self._ste_before_run = before
             self._ste.clear()
             self._ste.update(ste)
             if self.prefetcher is not None:

@@ -70,6 +70,7 @@ class Lifecycle:
         self.counters = RequestCounters()
         self.on_register: Callable[[KVState], None] | None = None  # the engine's span index
         self.on_drop: Callable[[str], None] | None = None
+        self.predicted: Callable[[str | None], float | None] = lambda agent: None  # the engine's STE hints
 
     # -- admission and registration -------------------------------------------------------------
     def admit(self, state: KVState, num_tokens: int, loads: Loads | None = None) -> int:
@@ -166,7 +167,7 @@ class Lifecycle:
     # -- whole requests ---------------------------------------------------------------------------
     def prefill(self, state: KVState, agent: str | None = None) -> Handle:
         """Prefill a new state and register it; free it again on failure. Call without the lock."""
-        event = _RequestEvent(state, agent)
+        event = _RequestEvent(state, agent, self.predicted(agent))
         try:
             check_agent(agent)
             state.agent = agent
@@ -203,7 +204,7 @@ class Lifecycle:
         prompt_len = state.num_tokens
         generated: list[int] = []
         registered = False
-        event = _RequestEvent(state, agent)
+        event = _RequestEvent(state, agent, self.predicted(agent))
         try:
             yield None  # sentinel, consumed by stream()
             t0 = time.perf_counter()
@@ -288,9 +289,10 @@ class Lifecycle:
 class _RequestEvent:
     """The ``request`` event of one request, filled in as it goes (times from ``time.time()``)."""
 
-    def __init__(self, state: KVState, agent: str | None) -> None:
+    def __init__(self, state: KVState, agent: str | None, predicted: float | None) -> None:
         step = state.lineage[-1] if state.lineage else None
         self.agent = agent
+        self.predicted = predicted
         self.op = step.op.value if step is not None else None
         self.handle_in = step.parent if step is not None else None
         self.request_id = uuid.uuid4().hex[:16]
@@ -308,7 +310,7 @@ class _RequestEvent:
             t_queued=self.t_queued, t_admitted=self.t_admitted, t_done=time.time(),
             tokens_reused=reused, tokens_prefilled=prefilled, tokens_generated=generated,
             handle_in=self.handle_in, handle_out=handle, blocks_loaded=dict(self.loads.blocks),
-            prefetch_hits=self.loads.prefetch_hits,
+            prefetch_hits=self.loads.prefetch_hits, ste_predicted=self.predicted,
         )
 
     def emit_result(self, ring: EventRing, result: Result) -> None:
@@ -320,5 +322,5 @@ class _RequestEvent:
             t_done=self.t_queued + t.total_s, tokens_reused=t.tokens_reused, tokens_approximate=t.tokens_approximate,
             tokens_prefilled=t.tokens_prefilled, tokens_generated=t.tokens_generated, handle_in=self.handle_in,
             handle_out=result.handle.id, blocks_loaded=dict(self.loads.blocks),
-            prefetch_hits=self.loads.prefetch_hits,
+            prefetch_hits=self.loads.prefetch_hits, ste_predicted=self.predicted,
         )

@@ -355,6 +355,11 @@ class Event(BaseModel):
         description="Prefix-cache blocks attached by where they were: device, or the slow tier read back.",
     )
     prefetch_hits: int = Field(default=0, description="Attached blocks that prefetch had brought back.")
+    ste_predicted: float | None = Field(
+        default=None,
+        description="The agent's steps-to-execution in the hints just before they marked it running: 1 means "
+        "the step graph predicted it as the next agent (None: no hint named it, or it was never marked running).",
+    )
     # cache events
     blocks: int = Field(default=0, description="evict / prefetch: blocks moved.")
     tier: str | None = Field(

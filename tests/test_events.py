@@ -277,3 +277,20 @@ def test_agent_metrics_carry_tenant_and_agent_labels_capped_at_the_first_n_agent
     text = generate_latest(registry).decode()
     assert "kvbaton_events_dropped_total 4.0" in text  # events 6..9 fell out
     assert 'kvbaton_agent_requests_total{agent="planner",tenant="t1"} 18.0' in text
+
+
+def test_a_request_event_says_whether_the_step_graph_predicted_its_agent(engine) -> None:
+    from kvbaton import SamplingParams, StepGraph
+
+    graph = StepGraph()
+    graph.add_edge("a", "b")
+    graph.add_edge("b", "c")
+    since = engine.events().next
+    for agent in ("a", "b", "c"):
+        engine.hints(graph, running=[agent])
+        engine.release(engine.complete(f"{agent} says", SamplingParams(max_tokens=1), agent=agent).handle)
+    engine.hints({"c": 0, "a": 0})  # 'a' was not due (c had just run): the graph did not predict it
+    engine.release(engine.complete("again", SamplingParams(max_tokens=1), agent="a").handle)
+    engine.release(engine.complete("nobody", SamplingParams(max_tokens=1)).handle)
+    got = [(e.agent, e.ste_predicted) for e in engine.events(since).events if e.kind == "request"]
+    assert got == [("a", None), ("b", 1.0), ("c", 1.0), ("a", None), (None, None)]

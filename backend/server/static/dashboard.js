@@ -64,7 +64,8 @@
       const tq = e.t_queued, ta = e.t_admitted || tq, tf = e.t_first_token || e.t_done, td = e.t_done;
       const tip = `${e.agent || "(no agent)"} ${e.op} ${e.finish}\nqueued→admitted ${fmt(ta - tq, 3)} s, prefill ${fmt(tf - ta, 3)} s, ` +
         `decode ${fmt(td - tf, 3)} s\nreused ${e.tokens_reused} (approx. ${e.tokens_approximate}), prefilled ${e.tokens_prefilled}, ` +
-        `generated ${e.tokens_generated}\nblocks ${JSON.stringify(e.blocks_loaded)}, prefetch hits ${e.prefetch_hits}`;
+        `generated ${e.tokens_generated}\nblocks ${JSON.stringify(e.blocks_loaded)}, prefetch hits ${e.prefetch_hits}` +
+        (e.ste_predicted !== null && e.ste_predicted !== undefined ? `\nSTE before it ran: ${e.ste_predicted}` : "");
       let g = `<g class="request" data-agent="${esc(laneOf(e))}"><title>${esc(tip)}</title>`;
       g += `<rect x="${x(tq)}" y="${y + h / 2 - 2}" width="${Math.max(1, x(ta) - x(tq))}" height="4" fill="${COLORS.queued}"/>`;
       const prompt = e.tokens_reused + e.tokens_prefilled;
@@ -122,7 +123,10 @@
         `<text x="${p.x + 8}" y="${p.y + 14}">${esc(a.length > 16 ? a.slice(0, 15) + "…" : a)}</text>` +
         `<text class="axis" x="${p.x + 8}" y="${p.y + 28}">${s === undefined ? "no hint" : s === 0 ? "running" : "STE " + fmt(s, 0)}</text></g>`;
     }
-    $("graph").innerHTML = svg(width, height, body);
+    const hinted = reqs.filter((e) => e.ste_predicted !== null && e.ste_predicted !== undefined);
+    const next = hinted.filter((e) => e.ste_predicted <= 1).length;
+    $("graph").innerHTML = svg(width, height, body) + `<div class="legend" id="predicted"><span>the step graph ` +
+      `predicted the agent as next (STE 1) before ${next} of ${hinted.length} hinted requests</span></div>`;
   }
 
   // -- cache occupancy per tier ----------------------------------------------------------------------
@@ -177,16 +181,18 @@
     const by = new Map();
     for (const e of requests()) {
       const a = e.agent || "(no agent)";
-      if (!by.has(a)) by.set(a, { n: 0, ttft: 0, nt: 0, reused: 0, prefilled: 0, generated: 0 });
+      if (!by.has(a)) by.set(a, { n: 0, ttft: 0, nt: 0, reused: 0, prefilled: 0, generated: 0, next: 0, hinted: 0 });
       const r = by.get(a);
       r.n += 1; r.reused += e.tokens_reused; r.prefilled += e.tokens_prefilled; r.generated += e.tokens_generated;
       if (e.t_first_token) { r.ttft += e.t_first_token - e.t_queued; r.nt += 1; }
+      if (e.ste_predicted !== null && e.ste_predicted !== undefined) { r.hinted += 1; if (e.ste_predicted <= 1) r.next += 1; }
     }
     if (!by.size) { $("agents").innerHTML = '<div class="empty">no requests yet</div>'; return; }
-    let rows = "<tr><th>agent</th><th>requests</th><th>TTFT s</th><th>reused</th><th>prefilled</th><th>generated</th><th>reuse</th></tr>";
+    let rows = "<tr><th>agent</th><th>requests</th><th>TTFT s</th><th>reused</th><th>prefilled</th><th>generated</th><th>reuse</th><th>predicted</th></tr>";
     for (const [a, r] of by) {
       rows += `<tr data-agent="${esc(a)}"><td>${esc(a)}</td><td>${r.n}</td><td>${fmt(r.nt ? r.ttft / r.nt : NaN, 3)}</td><td>${r.reused}</td>` +
-        `<td>${r.prefilled}</td><td>${r.generated}</td><td>${fmt(r.reused / Math.max(1, r.reused + r.prefilled))}</td></tr>`;
+        `<td>${r.prefilled}</td><td>${r.generated}</td><td>${fmt(r.reused / Math.max(1, r.reused + r.prefilled))}</td>` +
+        `<td>${r.hinted ? `${r.next}/${r.hinted}` : "–"}</td></tr>`;
     }
     $("agents").innerHTML = `<table>${rows}</table>`;
   }
