@@ -188,7 +188,8 @@
       if (e.ste_predicted !== null && e.ste_predicted !== undefined) { r.hinted += 1; if (e.ste_predicted <= 1) r.next += 1; }
     }
     if (!by.size) { $("agents").innerHTML = '<div class="empty">no requests yet</div>'; return; }
-    let rows = "<tr><th>agent</th><th>requests</th><th>TTFT s</th><th>reused</th><th>prefilled</th><th>generated</th><th>reuse</th><th>predicted</th></tr>";
+    let rows = "<tr><th>agent</th><th>calls</th><th>TTFT s</th><th>reused</th><th>prefilled</th><th>gen.</th>" +
+      '<th>reuse</th><th title="requests the step graph predicted as next (STE 1) / hinted requests">next</th></tr>';
     for (const [a, r] of by) {
       rows += `<tr data-agent="${esc(a)}"><td>${esc(a)}</td><td>${r.n}</td><td>${fmt(r.nt ? r.ttft / r.nt : NaN, 3)}</td><td>${r.reused}</td>` +
         `<td>${r.prefilled}</td><td>${r.generated}</td><td>${fmt(r.reused / Math.max(1, r.reused + r.prefilled))}</td>` +
