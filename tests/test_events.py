@@ -98,14 +98,15 @@ def test_kvbaton_dashboard_writes_the_offline_page(tmp_path) -> None:
 # -- a wrapped LangGraph run (real model) ------------------------------------------------------------
 
 
-def test_the_events_of_a_wrapped_langgraph_run_match_the_run() -> None:
+def test_the_events_of_a_wrapped_langgraph_run_match_the_run(engine) -> None:
     pytest.importorskip("langgraph")
     import kvbaton
     from kvbaton.adapters.langgraph import KVBATON_KEY, KvbatonChatModel, wrap
+    from kvbaton.embedded import EmbeddedClient
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
     from langgraph.graph import END, START, StateGraph
 
-    client = kvbaton.connect(kv_budget="96MiB")
+    client = EmbeddedClient(engine=engine)
     try:
         model = KvbatonChatModel(client=client, max_tokens=4)
 
@@ -194,6 +195,11 @@ def test_events_are_behind_the_token_and_scoped_to_the_tenant(secure_server) -> 
             first = [next(lines) for _ in range(3)]
         assert first[0].startswith("id: ") and first[1] == "event: event"
         assert json.loads(first[2].removeprefix("data: "))["agent"] == "alice"
+        metrics = a.get("/metrics").text  # per-agent counters, labelled by the salted tenant id, never the token
+        assert re.search(r'kvbaton_agent_requests_total\{agent="alice",tenant="t-[0-9a-f]+"\} [1-9]', metrics)
+        assert re.search(r'kvbaton_agent_prompt_tokens_total\{agent="bob",source="prefilled",tenant="t-[0-9a-f]+"\}',
+                         metrics)
+        assert TOKEN_A not in metrics and TOKEN_B not in metrics
 
 
 def test_the_page_loads_without_the_token_but_holds_no_data(secure_server) -> None:
