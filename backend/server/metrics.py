@@ -105,7 +105,7 @@ class AgentCollector:
         return []
 
     def _label(self, engine_agent: str | None) -> tuple[str, str]:
-        tenant, agent = self._tenant_of(engine_agent) if engine_agent else (SINGLE, "")
+        tenant, agent = self._tenant_of(engine_agent or "")
         key = (tenant, agent or "none")
         if key not in self._named and len(self._named) < self._max:
             self._named.add(key)

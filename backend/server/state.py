@@ -116,10 +116,13 @@ class ServerState:
         return True
 
     def _tenant_and_agent(self, engine_name: str) -> tuple[str, str]:
-        """The (tenant id, the tenant's own agent name) of an engine agent name, for metric labels."""
-        tenant = self.names.span_scope(engine_name) if self.multi_tenant else None
-        if tenant is None:
+        """The (tenant id, the tenant's own agent name) of an engine agent name ("": none), for metric
+        labels; the engine cannot tell whose agentless requests are: tenant "unknown" with several tokens."""
+        if not self.multi_tenant:
             return SINGLE_TENANT, engine_name
+        tenant = self.names.span_scope(engine_name)
+        if tenant is None:
+            return "unknown", engine_name
         return tenant, engine_name[len(tenant) + 1:]
 
     def reuse(self, requested: Reuse | None) -> Reuse:
