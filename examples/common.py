@@ -24,7 +24,7 @@ from kvbaton.client import Client, Context, HandleLike, Messages
 from kvbaton.handle import Handle
 from kvbaton.stepgraph import StepGraph
 from kvbaton.stream import TokenStream
-from kvbaton.types import AgentInfo, Event, Result, SamplingParams, Stats
+from kvbaton.types import AgentInfo, Event, Events, Result, SamplingParams, Stats
 
 KVBATON = "kvbaton"
 TEXT = "text"
@@ -294,6 +294,9 @@ class MeteredClient(Client):
 
     def stats(self) -> Stats:
         return self.inner.stats()
+
+    def events(self, since: int = 0) -> Events:
+        return self.inner.events(since)
 
     def tokenize(self, text: str) -> list[int]:
         return self.inner.tokenize(text)
