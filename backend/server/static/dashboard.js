@@ -5,6 +5,7 @@
 "use strict";
 (function () {
   const POLL_MS = 1000;
+  const KEEP = 5000;  // events the page keeps (the oldest go first): a long run stays drawable
   const COLORS = { queued: "#c9ced8", exact: "#2e9e5b", approx: "#7bc8a4", prefilled: "#f08c3a",
                    decode: "#4c8bf5", evict: "#d64545", prefetch: "#9a5cd6" };
   const state = { events: [], next: 0, stats: null, token: null, live: true, dropped: 0 };
@@ -216,6 +217,7 @@
     try {
       const page = await getJSON(`/v1/kv/events?since=${state.next}`);
       state.events.push(...page.events);
+      if (state.events.length > KEEP) state.events.splice(0, state.events.length - KEEP);
       state.next = page.next;
       state.dropped += page.dropped;
       state.stats = await getJSON("/v1/kv/stats");
