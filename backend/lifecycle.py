@@ -291,7 +291,7 @@ class _RequestEvent:
 
     def __init__(self, state: KVState, agent: str | None, predicted: float | None) -> None:
         step = state.lineage[-1] if state.lineage else None
-        self.agent = agent
+        self.agent = agent if isinstance(agent, str) else None  # a bad tag fails the request, not its event
         self.predicted = predicted
         self.op = step.op.value if step is not None else None
         self.handle_in = step.parent if step is not None else None

@@ -300,3 +300,17 @@ def test_a_request_event_says_whether_the_step_graph_predicted_its_agent(engine)
     engine.release(engine.complete("nobody", SamplingParams(max_tokens=1)).handle)
     got = [(e.agent, e.ste_predicted) for e in engine.events(since).events if e.kind == "request"]
     assert got == [("a", None), ("b", 1.0), ("c", 1.0), ("a", None), (None, None)]
+
+
+def test_a_failed_request_is_an_error_event_and_its_error_stays_the_callers(engine) -> None:
+    since = engine.events().next
+    with pytest.raises(InvalidRequest):
+        engine.materialize("hello", agent=["not", "a", "name"])  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest):
+        engine.materialize("hello", agent="x" * 300)
+    stream = engine.generate_stream([{"role": "user", "content": "Hi"}], agent="quitter")
+    stream.close()  # abandoned before its first token: everything given back
+    got = [(e.op, e.agent, e.finish, e.handle_out) for e in engine.events(since).events]
+    assert got == [("materialize", None, "error", None), ("materialize", "x" * 300, "error", None),
+                   ("generate", "quitter", "abandoned", None)]
+    assert engine.stats().handles_live == 0
