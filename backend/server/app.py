@@ -27,11 +27,11 @@ from kvbaton.ops import EngineOps
 from kvbaton.types import Reuse
 
 from .. import protocol as p
+from .dashboard import PUBLIC_PATHS as DASHBOARD_PATHS
+from .dashboard import add_dashboard_routes
 from .errors import ERROR_RESPONSES, RETRY_AFTER_S, install_error_handlers
 from .metrics import CONTENT_TYPE
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from .dashboard import PUBLIC_PATHS as DASHBOARD_PATHS
-from .dashboard import add_dashboard_routes
 from .native import add_native_routes
 from .openai import add_openai_routes
 from .state import ServerState
