@@ -39,10 +39,11 @@ from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, I
 from kvbaton.handle import Handle, Segment
 from kvbaton.ops import Context, HandleLike, check_reuse, ste_map
 from kvbaton.stream import TokenStream
-from kvbaton.types import AgentInfo, Composition, Result, Reuse, SamplingParams, Stats, StreamChunk
+from kvbaton.types import AgentInfo, Composition, Events, Result, Reuse, SamplingParams, Stats, StreamChunk
 
 from .calibration import measure_call_overhead, measure_link, measure_prefill
 from .costmodel import Calibration, CostModel, load_cached, store_cached
+from .events import EventRing, check_since
 from .failover import failover_stream
 from .handles import HandleTable, Identity
 from .loader import cache_dir
@@ -124,6 +125,10 @@ class Cluster:
         self.costs = CostModel()
         self.retries = 0
         self._lock = threading.RLock()
+        # The workers' events, merged here as they are read (each tagged with its worker's rank).
+        self.event_ring = EventRing()
+        self._event_cursors: dict[int, int] = {}
+        self._events_lock = threading.Lock()
         self._transfer_lock = threading.Lock()
         self._table: HandleTable[_Placed] = HandleTable()  # its identity is known once the workers joined
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -571,6 +576,27 @@ class Cluster:
                 if placed.rank is not None:
                     held[placed.rank] += 1
         return cluster_stats(self.workers, per, held, self.costs, self.bandwidth_cap, self.retries, len(self._table))
+
+    def events(self, since: int = 0) -> Events:
+        """The workers' events after ``since``, merged in the order the coordinator read them (each
+        with its ``worker`` rank; ``seq`` is the coordinator's). Workers are read on each call: a
+        worker's ring may lose events between two reads, counted in ``dropped``."""
+        check_since(since)
+        with self._events_lock:  # one reader at a time, so no worker event is copied twice
+            dropped = 0
+            for w in self.workers:
+                if not w.alive:
+                    continue
+                try:
+                    page: Events = w.call("events", self._event_cursors.get(w.rank, 0))
+                except WorkerLost:
+                    continue
+                dropped += page.dropped
+                for e in sorted(page.events, key=lambda e: e.time):
+                    self.event_ring.emit(e.kind, **{**e.model_dump(exclude={"seq", "kind"}), "worker": w.rank})
+                self._event_cursors[w.rank] = page.next
+            out = self.event_ring.since(since)
+        return out.model_copy(update={"dropped": out.dropped + dropped})
 
     def kill_worker(self, rank: int) -> None:
         """Kill a local worker process outright (SIGKILL), as a crash would: for fault tests."""

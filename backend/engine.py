@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -29,13 +30,14 @@ from kvbaton.errors import InvalidRequest
 from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, Segment, common_prefix_length
 from kvbaton.ops import Messages, check_agent, check_reuse, ste_map
 from kvbaton.stream import TokenStream
-from kvbaton.types import AgentInfo, Composition, Fidelity, Result, Reuse, SamplingParams, SegmentReport, Stats
+from kvbaton.types import AgentInfo, Composition, Events, Fidelity, Result, Reuse, SamplingParams, SegmentReport, Stats
 
 from .attention import ATTN_IMPLEMENTATION
 from .audit import FidelityAudit
 from .block_pool import BlockPool, PoolShape, blocks_for_budget
 from .compose import Composer, correction_config, top2_margin
 from .correction import AnchorPool, CorrectionConfig
+from .events import EventRing, ste_of
 from .eviction import EvictionPolicy
 from .handles import HandleTable, Identity
 from .inputs import Context, Inputs
@@ -88,6 +90,7 @@ class Engine:
         reuse: Reuse = "exact",
         audit_fraction: float = DEFAULT_AUDIT_FRACTION,
         chat_template: str | None = None,
+        event_capacity: int = 4096,
     ) -> None:
         check_reuse(reuse)
         self.reuse: Reuse = reuse
@@ -99,6 +102,8 @@ class Engine:
         # Tier directories first: a bad spec or an unwritable directory fails before the model loads.
         claimed = claim_tiers(tiers)
         self._ste: dict[str, float] = {}  # the agents' steps-to-execution, read live by the eviction policies
+        self._ste_before_run: dict[str, float] = {}  # each hinted agent's STE just before a hint marked it running
+        self.event_ring = EventRing(event_capacity)  # what requests, evictions and prefetches did (events.py)
         try:
             self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device,
                                                   attn_implementation=ATTN_IMPLEMENTATION)
@@ -112,6 +117,7 @@ class Engine:
             raise
         if self.cache is not None:
             weakref.finalize(self, self.cache.close)  # removes disk-tier files, at exit too
+            self.cache.on_evict = self._evicted
         self.runner = ModelRunner(lm, self.pool, fast_decode=fast_decode)
         self.scheduler = Scheduler(self.runner, max_batch_tokens=max(max_batch_tokens, prefill_chunk))
         # The worker threads keep the pool alive: stop them when an unclosed engine is collected.
@@ -133,9 +139,11 @@ class Engine:
         self.prefetcher: Prefetcher | None = None
         if self.cache is not None and self.cache.tiers and prefetch:
             self.prefetcher = Prefetcher(self.kv, self._ste)
+            self.prefetcher.on_prefetch = self._prefetched
             weakref.finalize(self, self.prefetcher.close)
         self.inputs = Inputs(lm, chat_template)
-        self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, prefill_chunk)
+        self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, prefill_chunk, self.event_ring)
+        self.requests.predicted = self._predicted
         # Cross-prefix reuse: every live exact state is indexed by content (spans.py). ``span_scope``
         # maps a request's agent to the scope its spans may come from (None: no cross-prefix reuse);
         # a multi-tenant server sets it to the agent's tenant.
@@ -333,6 +341,29 @@ class Engine:
             stats = engine_stats(self.loaded, self.kv, self.requests.counters, len(self.handles), self._ste)
         return stats.model_copy(update={"audit": self.audit.stats()})
 
+    def events(self, since: int = 0) -> Events:
+        """The events after sequence number ``since`` (requests, evictions, prefetches; events.py)."""
+        return self.event_ring.since(since)
+
+    def _evicted(self, nodes: list[Any], tier: str) -> None:
+        """An eviction round of the prefix cache, with the steps-to-execution that ranked it (lock held)."""
+        assert self.cache is not None
+        owners = {agent for node in nodes for agent in node.owners}
+        self.event_ring.emit("evict", blocks=len(nodes), tier=tier, policy=self.cache.policy.name,
+                             steps_to_execution=ste_of(owners, self._ste))
+
+    def _predicted(self, agent: str | None) -> float | None:
+        """The steps-to-execution the hints gave ``agent`` just before it ran (None: unknown)."""
+        if not isinstance(agent, str):
+            return None
+        with self._lock:
+            value = self._ste_before_run.get(agent)
+        return None if value is None or math.isinf(value) else value
+
+    def _prefetched(self, agent: str, loaded: dict[str, int]) -> None:
+        for tier, blocks in loaded.items():
+            self.event_ring.emit("prefetch", agent=agent, blocks=blocks, tier=tier)
+
     def _behind(self, handle: HandleLike, tokens: list[int], op: Op, max_new_tokens: int = 0) -> KVState:
         """A new state: ``handle``'s tokens (their K/V shared) followed by ``tokens``."""
         with self._lock:
@@ -405,6 +436,13 @@ class Engine:
         """
         ste = ste_map(steps, running, finished)
         with self._lock:
+            # What the step graph predicted for the agents now running (their events say it).
+            before: dict[str, float] = {}
+            for agent, value in ste.items():
+                if value == 0:  # running now: keep what the last hint said before it ran
+                    prev = self._ste.get(agent, math.inf)
+                    before[agent] = prev if prev != 0 else self._ste_before_run.get(agent, math.inf)
+            self._ste_before_run = before
             self._ste.clear()
             self._ste.update(ste)
             if self.prefetcher is not None:

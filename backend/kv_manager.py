@@ -52,6 +52,14 @@ class TierCounters:
     prefetch_hits: int = 0  # prefetched blocks a request then used
 
 
+@dataclass
+class Loads:
+    """Where one request's attached blocks came from (its timeline event)."""
+
+    blocks: dict[str, int] = field(default_factory=dict)  # "device" and each slow tier read back
+    prefetch_hits: int = 0
+
+
 class KVManager:
     def __init__(
         self, pool: BlockPool, cache: RadixCache | None, lock: threading.RLock,
@@ -229,7 +237,7 @@ class KVManager:
             path = self.cache.match(list(tokens), len(tokens) - 1, touch=False)
             return len(_on_device(path)) * self.block_size
 
-    def attach(self, state: KVState) -> None:
+    def attach(self, state: KVState, loads: Loads | None = None) -> None:
         """Take the longest cached prefix of the state's tokens from the radix cache (call WITHOUT the lock).
 
         Blocks in a slow tier are loaded back first; blocks another request or prefetch is loading
@@ -248,15 +256,17 @@ class KVManager:
                     self.loaded.wait(timeout=1.0)
                     continue
                 if stuck or not any(n.state is NodeState.SLOW for n in path):
-                    self._take(state, path)
+                    self._take(state, path, loads)
                     return
                 self._room_to_load(state, path)
-            stuck = self.load_back(path) == 0
+            stuck = self.load_back(path, loaded=None if loads is None else loads.blocks) == 0
 
     def load_back(
-        self, path: Sequence[RadixNode], allowed: Callable[[RadixNode], bool] | None = None, *, prefetch: bool = False
+        self, path: Sequence[RadixNode], allowed: Callable[[RadixNode], bool] | None = None, *, prefetch: bool = False,
+        loaded: dict[str, int] | None = None,
     ) -> int:
-        """Bring the slow nodes of ``path`` back to the device (call WITHOUT the lock); how many it began.
+        """Bring the slow nodes of ``path`` back to the device (call WITHOUT the lock); how many it began
+        (``loaded``, when given, counts the blocks read back per tier).
 
         ``allowed`` limits what making room may evict (prefetch evicts only what is needed later).
         Every node begun is finished, with its data or as a failure, so nobody waits on it forever.
@@ -277,6 +287,8 @@ class KVManager:
             with self.lock:
                 for node in started:  # root to leaf: a failed node drops the rest with it
                     if cache.finish_load(node, data.get(id(node))):
+                        if loaded is not None:
+                            loaded[tiers[id(node)]] = loaded.get(tiers[id(node)], 0) + 1
                         if prefetch:
                             node.prefetched = True
                             self.counters.prefetched += 1
@@ -304,16 +316,22 @@ class KVManager:
             path = self.cache.fixed_path(agent)
             return path if any(n.state is NodeState.SLOW for n in path) else []
 
-    def _take(self, state: KVState, path: Sequence[RadixNode]) -> None:
+    def _take(self, state: KVState, path: Sequence[RadixNode], loads: Loads | None = None) -> None:
         """Swap the state's leading blocks for the cached ones of ``path`` when that covers more (lock held)."""
         device = _on_device(path)
         if len(device) * self.block_size <= state.num_cached:
             return
+        hits = 0
         for node in device:
             if node.prefetched:
                 node.prefetched = False
-                self.counters.prefetch_hits += 1
+                hits += 1
+        self.counters.prefetch_hits += hits
         self.counters.hits["device"] = self.counters.hits.get("device", 0) + len(device)
+        if loads is not None:
+            loads.prefetch_hits += hits
+            # Blocks read back for this request were counted per tier by load_back; the rest were on the device.
+            loads.blocks["device"] = max(0, len(device) - sum(v for k, v in loads.blocks.items() if k != "device"))
         blocks = [n.block for n in device]
         self.pool.incref(blocks)  # type: ignore[arg-type]
         self.pool.decref(state.blocks)

@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
@@ -30,8 +31,9 @@ from kvbaton.types import Result, SamplingParams, SegmentReport, StreamChunk, Ti
 
 from .constrained import Constraint, Constraints
 from .detokenizer import Detokenizer
+from .events import EventRing
 from .handles import HandleTable
-from .kv_manager import KVManager
+from .kv_manager import KVManager, Loads
 from .loader import LoadedModel
 from .model_runner import Chunk
 from .sampler import make_generator, sample, token_logprob
@@ -59,9 +61,10 @@ class RequestCounters:
 class Lifecycle:
     def __init__(
         self, kv: KVManager, scheduler: Scheduler, handles: HandleTable[KVState], loaded: LoadedModel,
-        prefill_chunk: int,
+        prefill_chunk: int, events: EventRing | None = None,
     ) -> None:
         self._kv = kv
+        self.events = events if events is not None else EventRing()  # one ``request`` event per request
         self._lock = kv.lock
         self._scheduler = scheduler
         self._handles = handles  # its identity is what published handles carry
@@ -71,12 +74,14 @@ class Lifecycle:
         self.constraints = Constraints(loaded)  # response formats (constrained decoding)
         self.on_register: Callable[[KVState], None] | None = None  # the engine's span index
         self.on_drop: Callable[[str], None] | None = None
+        self.predicted: Callable[[str | None], float | None] = lambda agent: None  # the engine's STE hints
 
     # -- admission and registration -------------------------------------------------------------
-    def admit(self, state: KVState, num_tokens: int) -> int:
-        """Attach the cached prefix and reserve blocks up to ``num_tokens``; the tokens reused."""
+    def admit(self, state: KVState, num_tokens: int, loads: Loads | None = None) -> int:
+        """Attach the cached prefix and reserve blocks up to ``num_tokens``; the tokens reused
+        (``loads``, when given, says where the attached blocks came from)."""
         self._kv.check_fits(num_tokens)  # before any slow-tier load or compute
-        self._kv.attach(state)
+        self._kv.attach(state, loads)
         self._kv.reserve(state, num_tokens)
         return state.num_cached
 
@@ -166,15 +171,20 @@ class Lifecycle:
     # -- whole requests ---------------------------------------------------------------------------
     def prefill(self, state: KVState, agent: str | None = None) -> Handle:
         """Prefill a new state and register it; free it again on failure. Call without the lock."""
+        event = _RequestEvent(state, agent, self.predicted(agent))
         try:
             check_agent(agent)
             state.agent = agent
-            reused = self.admit(state, state.num_tokens)
+            reused = self.admit(state, state.num_tokens, event.loads)
+            event.t_admitted = time.time()
             self.compute(state)
-            return self.register(state, reused)
+            handle = self.register(state, reused)
         except BaseException:
             self.abandon(state)
+            event.emit(self.events, "error")
             raise
+        event.emit(self.events, "done", reused=reused, prefilled=state.num_tokens - reused, handle=handle.id)
+        return handle
 
     def stream(
         self, state: KVState, params: SamplingParams, agent: str | None = None, prepare: Prepare | None = None
@@ -201,11 +211,14 @@ class Lifecycle:
         generated: list[int] = []
         logprobs: list[TokenLogprob] = []
         registered = False
+        event = _RequestEvent(state, agent, self.predicted(agent))
         try:
             yield None  # sentinel, consumed by stream()
             t0 = time.perf_counter()
+            event.t_queued = time.time()
             # The last generated token is never written: it stays pending for the next user.
-            reused = self.admit(state, prompt_len + params.max_tokens - 1)
+            reused = self.admit(state, prompt_len + params.max_tokens - 1, event.loads)
+            event.t_admitted = time.time()
             # Reused from an approximate parent (the agent's own earlier approximate turn).
             approximate = max(0, reused - state.exact_len) if state.exact_len is not None else 0
             segments: list[SegmentReport] = []
@@ -266,10 +279,14 @@ class Lifecycle:
                 self.counters.tokens_generated += len(generated)
                 handle = self.register(state)
                 registered = True
+        except GeneratorExit:
+            event.finish = "abandoned"
+            raise
         finally:
             if not registered:  # error or abandoned stream: give everything back
                 self.abandon(state)
-        return Result(
+                event.emit(self.events, event.finish or "error", generated=len(generated))
+        result = Result(
             text=detok.text,
             token_ids=generated,
             handle=handle,
@@ -285,4 +302,46 @@ class Lifecycle:
             exact=handle.exact,
             segments=segments,
             logprobs=logprobs if params.logprobs else None,
+        )
+        event.emit_result(self.events, result)
+        return result
+
+
+class _RequestEvent:
+    """The ``request`` event of one request, filled in as it goes (times from ``time.time()``)."""
+
+    def __init__(self, state: KVState, agent: str | None, predicted: float | None) -> None:
+        step = state.lineage[-1] if state.lineage else None
+        self.agent = agent if isinstance(agent, str) else None  # a bad tag fails the request, not its event
+        self.predicted = predicted
+        self.op = step.op.value if step is not None else None
+        self.handle_in = step.parent if step is not None else None
+        self.request_id = uuid.uuid4().hex[:16]
+        self.loads = Loads()
+        self.t_queued = time.time()
+        self.t_admitted: float | None = None
+        self.finish: str | None = None
+
+    def emit(
+        self, ring: EventRing, finish: str, *, reused: int = 0, prefilled: int = 0, generated: int = 0,
+        handle: str | None = None,
+    ) -> None:
+        ring.emit(
+            "request", agent=self.agent, request_id=self.request_id, op=self.op, finish=finish,
+            t_queued=self.t_queued, t_admitted=self.t_admitted, t_done=time.time(),
+            tokens_reused=reused, tokens_prefilled=prefilled, tokens_generated=generated,
+            handle_in=self.handle_in, handle_out=handle, blocks_loaded=dict(self.loads.blocks),
+            prefetch_hits=self.loads.prefetch_hits, ste_predicted=self.predicted,
+        )
+
+    def emit_result(self, ring: EventRing, result: Result) -> None:
+        """A finished generation: its phases are the engine's own ``Timings`` (from ``t_queued``)."""
+        t = result.timings
+        ring.emit(
+            "request", agent=self.agent, request_id=self.request_id, op=self.op, finish=result.finish_reason,
+            t_queued=self.t_queued, t_admitted=self.t_admitted, t_first_token=self.t_queued + t.ttft_s,
+            t_done=self.t_queued + t.total_s, tokens_reused=t.tokens_reused, tokens_approximate=t.tokens_approximate,
+            tokens_prefilled=t.tokens_prefilled, tokens_generated=t.tokens_generated, handle_in=self.handle_in,
+            handle_out=result.handle.id, blocks_loaded=dict(self.loads.blocks),
+            prefetch_hits=self.loads.prefetch_hits, ste_predicted=self.predicted,
         )

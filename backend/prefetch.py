@@ -29,6 +29,8 @@ class Prefetcher:
         self._queue: list[str] = []
         self._busy = False
         self._closed = False
+        # Told of each agent's blocks brought back: (agent, {tier name: blocks}) — the engine's event ring.
+        self.on_prefetch: Callable[[str, dict[str, int]], None] | None = None
         self._thread = threading.Thread(target=self._run, name="kvbaton-prefetch", daemon=True)
         self._thread.start()
 
@@ -69,7 +71,11 @@ class Prefetcher:
     def _prefetch(self, agent: str) -> None:
         path = self._kv.slow_fixed_path(agent)
         if path:
-            self._kv.load_back(path, allowed=self._later_than(self._ste.get(agent, math.inf)), prefetch=True)
+            loaded: dict[str, int] = {}
+            self._kv.load_back(path, allowed=self._later_than(self._ste.get(agent, math.inf)), prefetch=True,
+                               loaded=loaded)
+            if loaded and self.on_prefetch is not None:
+                self.on_prefetch(agent, loaded)
 
     def _later_than(self, ste: float) -> Callable[[RadixNode], bool]:
         """Prefetch may evict only nodes needed strictly later than the agent it loads."""

@@ -80,6 +80,8 @@ class RadixCache:
         self.bytes_offloaded = 0
         self.nodes_dropped = 0
         self.tier_errors = 0
+        # Told of each eviction round: the nodes evicted and where they went (a tier's name or "dropped").
+        self.on_evict: Callable[[list[RadixNode], str], None] | None = None
 
     # -- agents -------------------------------------------------------------------------------
     def register_agent(self, name: str, fixed_tokens: Sequence[int]) -> None:
@@ -163,16 +165,20 @@ class RadixCache:
         ]
         heapq.heapify(heap)
         freed = 0
+        evicted: list[RadixNode] = []
         while heap and freed < n:
             _, _, node = heapq.heappop(heap)
             if not self.evictable(node):
                 continue
             parent = node.parent
             self._evict_one(node)
+            evicted.append(node)
             freed += 1
             if parent is not None and parent is not self.root and self.evictable(parent):
                 if allowed is None or allowed(parent):
                     heapq.heappush(heap, (self.policy.priority(parent), parent.id, parent))
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted, self.tiers[0].name if self.tiers else "dropped")
         return freed
 
     def _evict_one(self, node: RadixNode) -> None:

@@ -24,7 +24,7 @@ from kvbaton.client import Client, Context, HandleLike, Messages
 from kvbaton.handle import Handle
 from kvbaton.stepgraph import StepGraph
 from kvbaton.stream import TokenStream
-from kvbaton.types import AgentInfo, Result, SamplingParams, Stats
+from kvbaton.types import AgentInfo, Event, Events, Result, SamplingParams, Stats
 
 KVBATON = "kvbaton"
 TEXT = "text"
@@ -35,10 +35,13 @@ MIB = 1024 * 1024
 def add_common_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
     """``--baseline`` and ``--max-tokens``, the same in every example."""
     parser.add_argument(
-        "--baseline", choices=["none", "text", "both"], default="none",
+        "--baseline", choices=["none", "text", "both"], default=None,
         help="none: kvbaton mode only (default); text: only the text-passing baseline (no KV handles, no "
-        "prefix reuse); both: the two side by side, with ratios",
+        "prefix reuse); both: the two side by side, with ratios (the default with --plot)",
     )
+    parser.add_argument("--plot", metavar="PNG", default=None,
+                        help="write the run's timeline (one lane per agent, kvbaton and the text baseline side "
+                        "by side) to this PNG")
     parser.add_argument("--max-tokens", type=int, default=max_tokens,
                         help=f"tokens generated per agent turn (default {max_tokens}; the model is tiny, "
                         "short outputs keep the run short)")
@@ -57,10 +60,19 @@ def run_example(
     arguments(parser)
     add_common_arguments(parser, max_tokens=max_tokens)
     args = parser.parse_args(argv)
+    args.baseline = args.baseline or ("both" if args.plot else "none")
     problem = check(args)
     if problem:
         parser.error(problem)
-    return finish(name, {mode: run_mode(mode, args) for mode in modes_of(args.baseline)})
+    reports = {mode: run_mode(mode, args) for mode in modes_of(args.baseline)}
+    out = finish(name, reports)
+    if args.plot:
+        from kvbaton.bench.timeline import plot_timeline
+
+        path = plot_timeline({MODE_LABELS[m]: r.events for m, r in reports.items()}, args.plot, title=name)
+        print(f"timeline: {path}")
+        out["plot"] = str(path)
+    return out
 
 
 def modes_of(baseline: str) -> list[str]:
@@ -98,6 +110,7 @@ class Report:
     peak_kv_bytes: int
     peak_kv_blocks: int
     outputs: dict[str, str] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)  # the engine's events of the run (its timeline)
 
     @property
     def reused(self) -> int:
@@ -157,6 +170,7 @@ class MeteredClient(Client):
         self.peak_blocks = 0
         self._lock = threading.Lock()
         self._start = time.perf_counter()
+        self._since = 0
 
     @property
     def engine(self) -> Any:  # for code that reads the embedded engine (e.g. create_app)
@@ -166,6 +180,7 @@ class MeteredClient(Client):
     def start(self) -> None:
         """Start the clock (after model loading and any other setup the mode does not pay for)."""
         self._start = time.perf_counter()
+        self._since = self.inner.events().next  # the run's events are those after this one
 
     def sample(self) -> Stats:
         stats = self.inner.stats()
@@ -221,7 +236,8 @@ class MeteredClient(Client):
                 self.inner.release(h)
             except kvbaton.KvbatonError:
                 pass  # released by the example already
-        return Report(mode, total, list(self.calls), self.peak_bytes, self.peak_blocks, dict(outputs or {}))
+        events = self.inner.events(self._since).events
+        return Report(mode, total, list(self.calls), self.peak_bytes, self.peak_blocks, dict(outputs or {}), events)
 
     # -- kvbaton.Client ------------------------------------------------------------------------------
     def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
@@ -278,6 +294,9 @@ class MeteredClient(Client):
 
     def stats(self) -> Stats:
         return self.inner.stats()
+
+    def events(self, since: int = 0) -> Events:
+        return self.inner.events(since)
 
     def tokenize(self, text: str) -> list[int]:
         return self.inner.tokenize(text)

@@ -347,6 +347,32 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- dashboard (offline) -------------------------------------------------------------------------------
+
+
+def _dashboard_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--events", required=True, metavar="FILE",
+                        help="saved events: the JSON of client.events() (or GET /v1/kv/events), or JSON lines")
+    parser.add_argument("--stats", metavar="FILE", help="saved stats (client.stats() as JSON) for the cache panel")
+    parser.add_argument("--out", metavar="HTML", help="the page to write (default: FILE with .html)")
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from kvbaton.backend.server.dashboard import offline_page, read_events
+    from kvbaton.errors import KvbatonError
+
+    try:
+        events = read_events(args.events)
+    except (KvbatonError, OSError) as exc:
+        print(f"kvbaton dashboard: {exc}", file=sys.stderr)
+        return 2
+    stats = json.loads(Path(args.stats).read_text(encoding="utf-8")) if args.stats else None
+    out = Path(args.out) if args.out else Path(args.events).with_suffix(".html")
+    out.write_text(offline_page(events, stats, title=Path(args.events).name), encoding="utf-8")
+    print(f"{len(events)} events: open {out}")
+    return 0
+
+
 # -- bench ------------------------------------------------------------------------------------------
 
 
@@ -416,6 +442,10 @@ COMMANDS: dict[str, Command] = {
                 description="Run one registered benchmark (its table is printed, its JSON and a PNG plot are "
                 "written to --results-dir), or 'all': every benchmark and the experiment summary. "
                 "See docs/results.md."),
+        Command("dashboard", "render saved events as the dashboard page, offline (one HTML file)",
+                _dashboard_arguments, _dashboard,
+                description="Write the page `kvbaton serve` shows at /dashboard, with saved events embedded: "
+                "a self-contained HTML file that needs no server. See docs/dashboard.md."),
         Command("info", "print version, default model and cache dir", _info_arguments, _info),
     )
 }

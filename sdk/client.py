@@ -24,7 +24,7 @@ from .ops import Context, HandleLike, KVOps, Messages
 from .scope import Scope, arecord_stream, keep, record, record_stream, released
 from .stepgraph import StepGraph
 from .stream import AsyncTokenStream, TokenStream
-from .types import AgentInfo, Composition, Fidelity, Result, Reuse, SamplingParams, Stats
+from .types import AgentInfo, Composition, Events, Fidelity, Result, Reuse, SamplingParams, Stats
 
 
 def sampling_params(sampling: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
@@ -189,6 +189,12 @@ class Client:
         """Pool usage and reuse counters."""
         return self.ops.stats()
 
+    def events(self, since: int = 0) -> Events:
+        """What the engine did after event ``since`` (0: everything it still holds): one ``request``
+        event per request with its phase times and token sources, and the cache's evictions and
+        prefetches; pass the answer's ``next`` to read on (docs/dashboard.md)."""
+        return self.ops.events(since)
+
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
         return self.ops.tokenize(text)
@@ -348,6 +354,10 @@ class AsyncClient:
 
     async def stats(self) -> Stats:
         return await self.ops.stats()  # type: ignore[no-any-return]
+
+    async def events(self, since: int = 0) -> Events:
+        """:meth:`Client.events`, awaited."""
+        return await self.ops.events(since)  # type: ignore[no-any-return]
 
     async def tokenize(self, text: str) -> list[int]:
         return await self.ops.tokenize(text)  # type: ignore[no-any-return]

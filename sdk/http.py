@@ -39,7 +39,7 @@ from .handle import Handle, Segment
 from .ops import Context, HandleLike, Messages, check_reuse, ste_map
 from .stepgraph import StepGraph
 from .stream import AsyncTokenStream, TokenStream
-from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, SamplingParams, Stats, StreamChunk
+from .types import AgentInfo, ChatMessage, Composition, Events, Fidelity, Result, SamplingParams, Stats, StreamChunk
 
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -225,6 +225,13 @@ def capabilities_body() -> None:
     return None
 
 
+def events_body(since: int = 0) -> dict[str, Any]:
+    # A GET: sent as the query string (?since=N).
+    if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+        raise InvalidRequest(f"since must be an integer >= 0, got {since!r}")
+    return {"since": since}
+
+
 # -- the operation table --------------------------------------------------------------------------
 
 
@@ -261,6 +268,7 @@ OPERATIONS: dict[str, Operation] = {
     "release": Operation("POST", "/v1/kv/release", release_body, lambda out: None),
     "stats": Operation("GET", "/v1/kv/stats", stats_body, Stats.model_validate),
     "capabilities": Operation("GET", "/v1/capabilities", capabilities_body, Capabilities.model_validate),
+    "events": Operation("GET", "/v1/kv/events", events_body, Events.model_validate),
     "tokenize": Operation("POST", "/v1/kv/tokenize", tokenize_body, lambda out: list(out["token_ids"])),
     "detokenize": Operation("POST", "/v1/kv/detokenize", detokenize_body, lambda out: str(out["text"])),
     "chat_tokens": Operation("POST", "/v1/kv/chat_tokens", chat_tokens_body, lambda out: list(out["token_ids"])),
@@ -339,6 +347,11 @@ def _headers(token: str | None, headers: dict[str, str] | None) -> dict[str, str
     return out
 
 
+def _payload(method: str, body: Any) -> dict[str, Any]:
+    """httpx arguments of a body: a GET's fields go in the query string, anything else is JSON."""
+    return {"params": body} if method == "GET" and body is not None else {"json": body}
+
+
 def _timeout(timeout: float | None, connect_timeout: float | None) -> httpx.Timeout:
     return httpx.Timeout(timeout, connect=connect_timeout if connect_timeout is not None else timeout)
 
@@ -393,7 +406,7 @@ class HttpOps:
     def request(self, method: str, path: str, body: Any = None) -> Any:
         """One JSON request; error answers raise the SDK's typed exceptions."""
         try:
-            response = self._http.request(method, path, json=body)
+            response = self._http.request(method, path, **_payload(method, body))
         except httpx.TransportError as exc:
             raise _unavailable(self.base_url, exc) from exc
         if response.status_code >= 400:
@@ -458,7 +471,7 @@ class AsyncHttpOps:
     async def request(self, method: str, path: str, body: Any = None) -> Any:
         """One JSON request; error answers raise the SDK's typed exceptions."""
         try:
-            response = await self._http.request(method, path, json=body)
+            response = await self._http.request(method, path, **_payload(method, body))
         except httpx.TransportError as exc:
             raise _unavailable(self.base_url, exc) from exc
         if response.status_code >= 400:

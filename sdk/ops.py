@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .capabilities import Capabilities
     from .stepgraph import StepGraph
     from .stream import TokenStream
-    from .types import AgentInfo, ChatMessage, Composition, Fidelity, Result, Reuse, SamplingParams, Stats
+    from .types import AgentInfo, ChatMessage, Composition, Events, Fidelity, Result, Reuse, SamplingParams, Stats
 
 HandleLike = Handle | str
 Context = str | Sequence[int]
@@ -111,6 +111,8 @@ class KVOps(Protocol):
     ) -> dict[str, float]: ...
 
     def capabilities(self) -> Capabilities: ...
+
+    def events(self, since: int = 0) -> Events: ...
 
     def close(self) -> None: ...
 

@@ -381,4 +381,75 @@ class Fidelity(BaseModel):
     handle_token_ids: list[int]
 
 
+EventKind = Literal["request", "evict", "prefetch"]
+
+
+class Event(BaseModel):
+    """One thing the engine did, for timelines (``client.events()``, the server's ``/dashboard``).
+
+    ``request``: one request from submission to its handle (generation or prefill), with the
+    times of its phases and where its prompt's K/V came from. ``evict``: prefix-cache blocks the
+    eviction policy pushed to a slow tier (or dropped), with the steps-to-execution that ranked
+    them. ``prefetch``: blocks brought back from a slow tier ahead of an agent's turn. Times are
+    wall-clock seconds since the epoch (``time.time()``), so workers of one machine line up.
+    """
+
+    seq: int = Field(description="Monotonic sequence number in the engine's event ring (from 1).")
+    kind: EventKind
+    time: float = Field(description="When the event ended (seconds since the epoch).")
+    agent: str | None = Field(default=None, description="The agent the request or prefetch was for.")
+    tenant: str | None = Field(default=None, description="The tenant id on a multi-tenant server, else None.")
+    worker: int | None = Field(default=None, description="The worker rank on a multi-device server.")
+    # request events
+    request_id: str | None = None
+    op: str | None = Field(default=None, description="The operator: generate, resume, materialize, extend...")
+    finish: str | None = Field(
+        default=None, description="stop / length for a generation, done for a prefill, error or abandoned otherwise."
+    )
+    t_queued: float | None = Field(default=None, description="Submitted to the engine.")
+    t_admitted: float | None = Field(
+        default=None,
+        description="Cached prefix attached (slow-tier loads included) and blocks reserved: prefill starts.",
+    )
+    t_first_token: float | None = Field(default=None, description="First generated token: prefill ends, decode starts.")
+    t_done: float | None = None
+    tokens_reused: int = Field(default=0, description="Prompt tokens reused exactly or approximately.")
+    tokens_approximate: int = Field(default=0, description="Of tokens_reused, those reused approximately.")
+    tokens_prefilled: int = 0
+    tokens_generated: int = 0
+    handle_in: str | None = Field(default=None, description="The parent handle the request continued, if any.")
+    handle_out: str | None = Field(default=None, description="The handle it made (None when it failed).")
+    blocks_loaded: dict[str, int] = Field(
+        default_factory=dict,
+        description="Prefix-cache blocks attached by where they were: device, or the slow tier read back.",
+    )
+    prefetch_hits: int = Field(default=0, description="Attached blocks that prefetch had brought back.")
+    ste_predicted: float | None = Field(
+        default=None,
+        description="The agent's steps-to-execution in the hints just before they marked it running: 1 means "
+        "the step graph predicted it as the next agent (None: no hint named it, or it was never marked running).",
+    )
+    # cache events
+    blocks: int = Field(default=0, description="evict / prefetch: blocks moved.")
+    tier: str | None = Field(
+        default=None, description="evict: the tier the blocks went to ('dropped': none); prefetch: the tier read."
+    )
+    policy: str | None = Field(default=None, description="evict: the eviction policy that chose the blocks.")
+    steps_to_execution: dict[str, float | None] = Field(
+        default_factory=dict,
+        description="evict: the owner agents of the evicted blocks and their steps-to-execution (None: no hint).",
+    )
+
+
+class Events(BaseModel):
+    """A page of the event ring: the events after ``since``, and where to continue."""
+
+    events: list[Event]
+    next: int = Field(description="Pass as ``since`` to get only later events.")
+    dropped: int = Field(
+        default=0, description="Events after ``since`` that the bounded ring no longer holds (read more often)."
+    )
+    capacity: int = Field(default=0, description="How many events the ring keeps.")
+
+
 Result.model_rebuild()

@@ -247,6 +247,22 @@ def test_a_handle_of_another_model_is_incompatible(kv) -> None:
         kv.resume(alien, QUESTION)
 
 
+def test_each_request_is_one_event_with_its_results_numbers(kv) -> None:
+    since = kv.events().next
+    result = kv.generate([SYSTEM, ASK], agent="eventful", max_tokens=MAX)
+    keep(kv, result.handle)
+    page = kv.events(since)
+    assert page.next >= since and page.dropped == 0
+    (event,) = [e for e in page.events if e.kind == "request" and e.handle_out == result.handle.id]
+    assert (event.agent, event.op, event.finish) == ("eventful", "generate", result.finish_reason)
+    t = result.timings
+    assert (event.tokens_reused, event.tokens_prefilled, event.tokens_generated, event.tokens_approximate) == (
+        t.tokens_reused, t.tokens_prefilled, t.tokens_generated, t.tokens_approximate)
+    assert event.t_queued <= event.t_admitted <= event.t_first_token <= event.t_done
+    assert all(e.seq > since for e in page.events)
+    assert all(e.seq > page.next for e in kv.events(page.next).events)
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -261,6 +277,7 @@ def test_a_handle_of_another_model_is_incompatible(kv) -> None:
         pytest.param(lambda kv, h: kv.compose(segments=[h], mode="bogus"), id="unknown-compose-mode"),
         pytest.param(lambda kv, h: kv.resume(h, QUESTION, response_format={
             "type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}), id="bad-response-format"),
+        pytest.param(lambda kv, h: kv.events(-1), id="negative-event-seq"),
     ],
 )
 def test_bad_input_is_an_invalid_request_and_costs_nothing(kv, call) -> None:

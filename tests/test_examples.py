@@ -33,10 +33,12 @@ def test_every_example_is_tested():
 
 
 @pytest.mark.parametrize("name", sorted(ARGS))
-def test_example_runs_in_both_modes_and_reports_metrics(name, capsys):
+def test_example_runs_in_both_modes_and_reports_metrics(name, capsys, tmp_path):
     import importlib
 
-    out = importlib.import_module(f"kvbaton.examples.{name}").main([*ARGS[name], *TINY])
+    plot = tmp_path / "timeline.png"
+    out = importlib.import_module(f"kvbaton.examples.{name}").main([*ARGS[name], *TINY, "--plot", str(plot)])
+    assert out["plot"] == str(plot) and plot.stat().st_size > 0  # the timeline, both modes side by side
     kv, text = out["modes"]["kvbaton"], out["modes"]["text"]
     for report in (kv, text):
         assert AGENTS[name] <= set(report["per_agent"])
@@ -93,20 +95,22 @@ def test_cli_run_delegates_to_the_example(capsys):
 
 
 def test_bench_all_quick_writes_json_png_and_summary(tmp_path, monkeypatch, capsys):
-    from kvbaton.bench import branching
+    from kvbaton.bench import branching, suite
 
     monkeypatch.setattr(branching, "QUICK_ARGS", ["--branches", "2", "--context-tokens", "32", "--depth", "1",
                                                   "--max-tokens", "1"])
-    assert cli(["bench", "all", "--quick", "--only", "branching", "--results-dir", str(tmp_path)]) == 0
+    monkeypatch.setattr(suite, "TIMELINE_QUICK_ARGS", ["--rounds", "1", "--context-words", "30", "--max-tokens", "1"])
+    assert cli(["bench", "all", "--quick", "--only", "branching", "timeline", "--results-dir", str(tmp_path)]) == 0
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]  # one run id for the whole suite
     assert (run_dir / "branching.png").stat().st_size > 0
+    assert (run_dir / "debate_timeline.png").stat().st_size > 0  # the debate's timeline, kvbaton vs text
     payload = json.loads((run_dir / "branching.json").read_text())
     assert payload["run_id"] == run_dir.name and payload["quick"] is True
     (row,) = payload["rows"]
     assert row["branches"] == 2 and row["copies_kv_blocks"] >= row["forks_kv_blocks"]
     summary = json.loads((run_dir / "summary.json").read_text())
     status = {o["name"]: o["status"] for o in summary["outcomes"]}
-    assert status["branching"] == "ok" and status["ttft"] == "skipped"
+    assert status["branching"] == "ok" and status["timeline"] == "ok" and status["ttft"] == "skipped"
     experiments = {e["benchmark"]: e["experiment"] for e in summary["experiments"]}
     assert {"ttft", "scaling", "transfer", "branching", "serve", "adapter_overhead"} <= set(experiments)
     printed = capsys.readouterr().out

@@ -173,6 +173,7 @@ def test_fork_children_spread_over_idle_workers(client, cluster, reference, corp
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
+    since = client.events().next
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
@@ -181,6 +182,10 @@ def test_fork_children_spread_over_idle_workers(client, cluster, reference, corp
     assert not errors
     moved = [d for d in cluster.stats().cluster.decisions if d.handle in {c.id for c in children}]
     assert moved and all(d.reason == "balance" for d in moved)
+    # The coordinator merges both workers' events, each with its worker's rank.
+    resumed = [e for e in client.events(since).events if e.kind == "request" and e.op == "resume"]
+    assert sorted(e.handle_out for e in resumed) == sorted(r.handle.id for r in results.values())
+    assert {e.worker for e in resumed} == {0, 1}
     for i in range(4):
         assert results[i].token_ids == dense_greedy(reference, context + SUFFIX[: i + 2], 4)[0]
     client.release([parent, *children, *(r.handle for r in results.values())])

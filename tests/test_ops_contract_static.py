@@ -36,7 +36,7 @@ def _params(fn: object) -> list[inspect.Parameter]:
 
 
 def test_the_operator_names_come_from_the_protocol():
-    assert {"materialize", "resume", "resume_stream", "compose", "hints", "capabilities"} <= OPERATORS
+    assert {"materialize", "resume", "resume_stream", "compose", "hints", "capabilities", "events"} <= OPERATORS
     assert "close" not in OPERATORS and STREAM_OPERATORS == {"resume_stream", "complete_stream", "generate_stream"}
     assert set(METHODS) <= {n for n in vars(EngineOps) | vars(KVOps) if not n.startswith("_")}
 

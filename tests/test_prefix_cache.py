@@ -161,6 +161,16 @@ def test_prefetch_brings_the_next_agent_back_before_it_runs(reference, corpus_to
     stats = engine.stats()
     assert stats.cache.prefetch_hits > 0 and stats.cache.blocks_prefetched > 0
     assert set(stats.agents) == {"a", "b", "c"}
+    # The events tell the same story per agent: what was prefetched, evicted, and found prefetched.
+    events = engine.events().events
+    prefetched = [e for e in events if e.kind == "prefetch"]
+    assert sum(e.blocks for e in prefetched) == stats.cache.blocks_prefetched
+    assert all(e.tier == "disk" and e.agent in "abc" for e in prefetched)
+    assert any(e.kind == "evict" and e.tier == "disk" for e in events)
+    requests = [e for e in events if e.kind == "request"]
+    assert [e.agent for e in requests] == ["a", "b", "c", "a", "b"]
+    assert sum(e.prefetch_hits for e in requests) == stats.cache.prefetch_hits
+    assert all(sum(e.blocks_loaded.values()) * 16 <= e.tokens_reused for e in requests)
     engine.close()
 
 

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.unit
 
 PUBLIC = [
     "AgentInfo", "AgentStats", "AsyncClient", "AsyncTokenStream", "CacheStats", "Capabilities", "ChatMessage",
-    "Client", "Composition", "ContextTooLong", "Fidelity", "Handle", "HandleNotFound", "HandleReleased",
-    "IncompatibleHandle", "InvalidRequest", "KVOps", "KvbatonError", "LineageStep", "MergeConflict",
+    "Client", "Composition", "ContextTooLong", "Event", "Events", "Fidelity", "Handle", "HandleNotFound",
+    "HandleReleased", "IncompatibleHandle", "InvalidRequest", "KVOps", "KvbatonError", "LineageStep", "MergeConflict",
     "ModelNotFound", "Op", "Placement", "PoolExhausted", "Positions", "ResponseFormat", "Result", "Reuse",
     "SamplingParams", "Segment",
     "SegmentReport", "ServerUnavailable", "Stats", "StepGraph", "StepGraphSpec", "StreamChunk", "Timings",

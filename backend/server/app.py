@@ -29,6 +29,8 @@ from kvbaton.types import Reuse
 
 from .. import protocol as p
 from .accesslog import AccessLogMiddleware, Throughput
+from .dashboard import PUBLIC_PATHS as DASHBOARD_PATHS
+from .dashboard import add_dashboard_routes
 from .errors import ERROR_RESPONSES, RETRY_AFTER_S, install_error_handlers
 from .metrics import CONTENT_TYPE
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
@@ -119,6 +121,7 @@ def create_app(
     install_error_handlers(app, state.healthy)
     add_native_routes(app, state)
     add_openai_routes(app, state)
+    add_dashboard_routes(app)
 
     @app.get("/health", response_model=p.Health, response_model_exclude_none=True, tags=["server"],
              responses={503: {"model": p.Health}})
@@ -144,7 +147,7 @@ def create_app(
 
     # Outermost first: metrics see every answer (401 and 413 included), auth runs before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
-    app.add_middleware(AuthMiddleware, tenants=tenants)
+    app.add_middleware(AuthMiddleware, tenants=tenants, public=DASHBOARD_PATHS)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     app.add_middleware(AccessLogMiddleware, requests=throughput.finished)
     return app

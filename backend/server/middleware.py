@@ -82,9 +82,10 @@ class MetricsMiddleware(_HttpMiddleware):
 class AuthMiddleware(_HttpMiddleware):
     """Bearer-token check; records the request's tenant in ``scope["kvbaton.tenant"]``."""
 
-    def __init__(self, app: ASGIApp, tenants: Mapping[str, str]) -> None:
+    def __init__(self, app: ASGIApp, tenants: Mapping[str, str], public: frozenset[str] = frozenset()) -> None:
         super().__init__(app)
         self.tenants = dict(tenants)
+        self.public = public  # exact paths served to anyone: pages that hold no data (the dashboard's)
 
     def _tenant(self, scope: Scope) -> str | None:
         if not self.tenants:
@@ -103,6 +104,9 @@ class AuthMiddleware(_HttpMiddleware):
         return None
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("path") in self.public and scope.get("method") in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
         tenant = self._tenant(scope)
         if tenant is None:
             await _send_error(send, Unauthorized("missing or invalid bearer token (Authorization: Bearer <token>)"),

@@ -11,22 +11,29 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request
+import anyio
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 from kvbaton.errors import InvalidRequest
 from kvbaton.handle import Handle, Segment
 from kvbaton.stream import TokenStream
-from kvbaton.types import Composition, Fidelity, Result, SamplingParams, Stats, StreamChunk
+from kvbaton.types import Composition, Events, Fidelity, Result, SamplingParams, Stats, StreamChunk
 
 from .. import protocol as p
 from .accesslog import note_tokens
 from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
-from .sse import StreamEvents, open_primed, sse, stream_response
+from .sse import EventStreamResponse, StreamEvents, open_primed, sse, stream_response
 from .state import ServerState
 from .tenancy import request_agent, request_reuse, request_tenant
+
+EVENT_POLL_S = 0.25  # how often an event stream looks for new events
+EVENT_STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **ERROR_RESPONSES,
+    200: {"content": {"text/event-stream": {}}, "description": "`event: event` per `Event`, live."},
+}
 
 
 class NativeEvents(StreamEvents):
@@ -206,6 +213,35 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/kv/stats", response_model=Stats, **kv)
     async def stats(request: Request) -> Stats:
         return await state.run(state.stats, request_tenant(request))
+
+    @app.get("/v1/kv/events", response_model=Events, **kv)
+    async def events(request: Request, since: int = Query(0, ge=0)) -> Events:
+        """What the engine did after event ``since``: requests (phase times, token sources), evictions
+        and prefetches, the caller's tenant's only; pass ``next`` back as ``since`` to read on."""
+        return await state.run(state.events, request_tenant(request), since)
+
+    @app.get("/v1/kv/events/stream", response_model=None, **{**kv, "responses": EVENT_STREAM_RESPONSES})
+    async def events_stream(request: Request, since: int = Query(0, ge=0)) -> EventStreamResponse:
+        """The same events as server-sent events, live: ``event: event`` with one ``Event`` each (its
+        ``id`` is the sequence number); a comment line every poll keeps idle connections open."""
+        tenant = request_tenant(request)
+        first = await state.run(state.events, tenant, since)  # a bad request fails before the stream starts
+
+        async def lines() -> AsyncIterator[str]:
+            page = first
+            while True:
+                for event in page.events:
+                    yield f"id: {event.seq}\n" + sse(event.model_dump_json(), "event")
+                if page.dropped:
+                    yield sse(json.dumps({"dropped": page.dropped}), "dropped")
+                if not page.events:
+                    yield ": idle\n\n"
+                if await request.is_disconnected():
+                    return
+                await anyio.sleep(EVENT_POLL_S)
+                page = await state.run(state.events, tenant, page.next)
+
+        return EventStreamResponse(lines())
 
     @app.post("/v1/kv/tokenize", response_model=p.TokenIds, **kv)
     async def tokenize(body: p.TokenizeRequest) -> p.TokenIds:

@@ -26,12 +26,12 @@ from kvbaton.client import sampling_params
 from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest
 from kvbaton.handle import Handle
 from kvbaton.ops import EngineOps, check_reuse, ste_map
-from kvbaton.types import Reuse, SamplingParams, Stats
+from kvbaton.types import Event, Events, Reuse, SamplingParams, Stats
 
 from .. import protocol as p
 from ..block_pool import blocks_for_budget
 from .metrics import Metrics
-from .tenancy import Admission, AgentNames, AgentSlots, Owners, Quota
+from .tenancy import SINGLE_TENANT, Admission, AgentNames, AgentSlots, Owners, Quota
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class ServerState:
             bytes_per_token=first.bytes_per_block / first.block_size,
         ))
         self.slots = AgentSlots(max_agents)
-        self.metrics = Metrics(engine.stats)
+        self.metrics = Metrics(engine.stats, engine.events, self._tenant_and_agent)
         self._hints_lock = threading.Lock()
         self._hints: dict[str, dict[str, float]] = {}  # tenant -> {engine agent name: steps}
         self._limiter: anyio.CapacityLimiter | None = None
@@ -119,6 +119,16 @@ class ServerState:
             return False
         self.engine.span_scope = self.names.span_scope
         return True
+
+    def _tenant_and_agent(self, engine_name: str) -> tuple[str, str]:
+        """The (tenant id, the tenant's own agent name) of an engine agent name ("": none), for metric
+        labels; the engine cannot tell whose agentless requests are: tenant "unknown" with several tokens."""
+        if not self.multi_tenant:
+            return SINGLE_TENANT, engine_name
+        tenant = self.names.span_scope(engine_name)
+        if tenant is None:
+            return "unknown", engine_name
+        return tenant, engine_name[len(tenant) + 1:]
 
     def reuse(self, requested: Reuse | None) -> Reuse:
         """The reuse policy a request runs with: its own, else the server's default; always ``"exact"``
@@ -226,6 +236,30 @@ class ServerState:
             decisions = [d for d in stats.cluster.decisions if d.handle in mine]
             update["cluster"] = stats.cluster.model_copy(update={"workers": workers, "decisions": decisions})
         return stats.model_copy(update=update)
+
+    def events(self, tenant: str, since: int) -> Events:
+        """The engine's events after ``since`` that are the tenant's, by its own agent names: on a
+        multi-tenant server, requests of its agents (agentless ones when it made their handle), and the
+        shared pool's evictions with only its own agents' steps-to-execution; ``next`` is the
+        engine's, so a tenant pages through the same sequence numbers."""
+        page = self.engine.events(since)
+        if not self.multi_tenant:
+            return page
+        made = self.owners.mine(tenant, [e.handle_out for e in page.events if e.agent is None and e.handle_out])
+        mine: list[Event] = []
+        for event in page.events:
+            if event.kind == "evict":
+                ste = {own: v for a, v in event.steps_to_execution.items()
+                       if (own := self.names.own_name(tenant, a)) is not None}
+                # The pool is shared: every tenant sees evictions (as it sees the pool's counters in
+                # stats), but only its own agents' steps-to-execution.
+                mine.append(event.model_copy(update={"steps_to_execution": ste}))
+            elif event.agent is None:
+                if event.handle_out in made:
+                    mine.append(event.model_copy(update={"tenant": tenant}))
+            elif (own := self.names.own_name(tenant, event.agent)) is not None:
+                mine.append(event.model_copy(update={"agent": own, "tenant": tenant}))
+        return page.model_copy(update={"events": mine})
 
     def hints(self, tenant: str, steps: Mapping[str, float], running: Sequence[str]) -> dict[str, float]:
         """Set the tenant's steps-to-execution; the engine gets every tenant's hints together."""

@@ -35,6 +35,7 @@ from kvbaton.types import (
     AgentInfo,
     ChatMessage,
     Composition,
+    Events,
     Result,
     Reuse,
     SamplingParams,
@@ -44,6 +45,7 @@ from kvbaton.types import (
     Timings,
 )
 
+from ..events import check_since
 from ..handles import HandleTable, Identity
 from . import SGLANG_VERSION
 from .table import WorkflowHint, make_envelope
@@ -540,6 +542,13 @@ class SglangEngine:
             tokens_reused=counters["tokens_reused"], tokens_prefilled=counters["tokens_prefilled"],
             tokens_generated=counters["tokens_generated"],
         )
+
+    def events(self, since: int = 0) -> Events:
+        """Always empty: the requests run inside SGLang's own scheduler, which exposes no per-request
+        phase times or cache evictions to the plugin; ``capacity`` 0 says that no events are kept
+        (docs/dashboard.md). Use SGLang's own metrics for its timeline."""
+        check_since(since)
+        return Events(events=[], next=since, dropped=0, capacity=0)
 
     def recomputed_tokens(self) -> int:
         """Prompt tokens a handle named but SGLang had evicted, so they were prefilled again."""

@@ -1,5 +1,6 @@
 """``kvbaton bench all``: every registered benchmark, each writing its record (JSON) and a PNG plot,
-then a summary of the AAFLOW+ experiments they measure.
+then the debate example's timeline plot (kvbaton vs the text baseline, ``debate_timeline.png``) and a
+summary of the AAFLOW+ experiments they measure.
 
 One suite run is one run id: every benchmark's record goes to ``<results dir>/<run id>/`` (see
 :mod:`kvbaton.bench.record`), with ``summary.json`` beside them. A quick run's records say
@@ -121,6 +122,27 @@ def run_one(name: str, module_name: str, results_dir: Path, quick: bool, extra: 
     return Outcome(name, "ok", seconds, files=files, run_dir=str(run_dir))
 
 
+TIMELINE = "timeline"  # not a benchmark: the debate example's timeline plot, kvbaton vs text baseline
+TIMELINE_ARGS = ["--rounds", "2", "--context-words", "600", "--max-tokens", "8"]
+TIMELINE_QUICK_ARGS = ["--rounds", "1", "--context-words", "200", "--max-tokens", "4"]
+
+
+def run_timeline(run_dir: Path, quick: bool) -> Outcome:
+    """``kvbaton run debate --plot``: the debate's timeline (kvbaton and the text baseline side by
+    side) as ``debate_timeline.png`` in the run's folder (a plot, not a record: the example's numbers)."""
+    from kvbaton.examples import debate
+
+    print(f"\n=== {TIMELINE}: kvbaton run debate --plot", flush=True)
+    start = time.time()
+    png = run_dir / "debate_timeline.png"
+    try:
+        debate.main([*(TIMELINE_QUICK_ARGS if quick else TIMELINE_ARGS), "--quiet", "--plot", str(png)])
+    except Exception as exc:  # noqa: BLE001 - a failing example must not stop the suite
+        traceback.print_exc()
+        return Outcome(TIMELINE, "failed", time.time() - start, f"{type(exc).__name__}: {exc}", run_dir=str(run_dir))
+    return Outcome(TIMELINE, "ok", time.time() - start, files=[png.name], run_dir=str(run_dir))
+
+
 def run_all(results_dir: str | Path = "results", *, quick: bool = False, only: Sequence[str] = (),
             skip: Sequence[str] = (), run_id: str | None = None) -> list[Outcome]:
     """Every selected benchmark under one run id; ``summary.json`` in ``results_dir/<run id>/``."""
@@ -128,7 +150,8 @@ def run_all(results_dir: str | Path = "results", *, quick: bool = False, only: S
     out_dir = Path(results_dir) / run_id
     out_dir.mkdir(parents=True, exist_ok=True)
     benches = registry()
-    unknown = sorted(set(only) - set(benches) | set(skip) - set(benches))
+    known = {*benches, TIMELINE}
+    unknown = sorted(set(only) - known | set(skip) - known)
     if unknown:
         raise SystemExit(f"unknown benchmark(s): {', '.join(unknown)}; registered: {', '.join(sorted(benches))}")
     names = [n for n in benches if (not only or n in only) and n not in skip]
@@ -138,6 +161,10 @@ def run_all(results_dir: str | Path = "results", *, quick: bool = False, only: S
     for name in benches:
         if name not in names:
             outcomes.append(Outcome(name, "skipped", note="not selected"))
+    if (not only or TIMELINE in only) and TIMELINE not in skip:
+        outcomes.append(run_timeline(out_dir, quick))
+    else:
+        outcomes.append(Outcome(TIMELINE, "skipped", note="not selected"))
     summary = {"run_id": run_id, "git": record.git_state(), "machine": machine_info(), "quick": quick,
                "outcomes": [o.__dict__ for o in outcomes], "experiments": experiments(outcomes, benches)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
