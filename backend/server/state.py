@@ -31,7 +31,8 @@ from kvbaton.types import Reuse, SamplingParams, Stats
 from .. import protocol as p
 from ..block_pool import blocks_for_budget
 from .metrics import Metrics
-from .tenancy import Admission, AgentNames, AgentSlots, Owners, Quota
+from ..persist import Journal
+from .tenancy import SINGLE_TENANT, Admission, AgentNames, AgentSlots, Owners, Quota
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class ServerState:
         handle_ttl: float | None = None,
         reuse: Reuse | None = None,
         shared_spans: bool = False,
+        journal: Journal | None = None,
     ) -> None:
         self.engine = engine
         self.tenants = tenants
@@ -92,6 +94,10 @@ class ServerState:
             bytes_per_token=first.bytes_per_block / first.block_size,
         ))
         self.slots = AgentSlots(max_agents)
+        # A persistent engine's handles of an earlier run: their tenants own them again.
+        self.journal = journal
+        for entry in journal.live() if journal is not None else ():
+            self.owners.add(entry.owner or SINGLE_TENANT, [(entry.handle.id, entry.handle.num_tokens)])
         self.metrics = Metrics(engine.stats)
         self._hints_lock = threading.Lock()
         self._hints: dict[str, dict[str, float]] = {}  # tenant -> {engine agent name: steps}
@@ -133,7 +139,10 @@ class ServerState:
         self.owners.use(tenant, [ref_id(r) for r in refs if r is not None], check=self.multi_tenant)
 
     def record(self, tenant: str, handles: Iterable[Handle]) -> None:
+        handles = list(handles)
         self.owners.add(tenant, [(h.id, h.num_tokens) for h in handles])
+        if self.journal is not None:  # durable before the client hears of the handles
+            self.journal.add(tenant, handles)
 
     def admit(self, tenant: str, handles: int = 1, tokens: int = 0) -> Admission:
         """Admit a request making up to ``handles`` handles (``tokens`` in all, when known) within the
@@ -152,6 +161,8 @@ class ServerState:
         self.check_owned(tenant, refs)
         self.engine.release(list(refs))
         ids = {ref_id(r) for r in refs}
+        if self.journal is not None:
+            self.journal.release(ids)
         self.owners.released(ids)
         self.slots.forget(ids)
 
@@ -164,6 +175,8 @@ class ServerState:
                 self.engine.release(hid)
             except (HandleNotFound, HandleReleased):
                 pass
+            if self.journal is not None:
+                self.journal.release([hid])
             self.owners.released([hid])
 
     def sweep(self) -> list[str]:
