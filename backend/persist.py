@@ -108,22 +108,34 @@ class Journal:
             ids = [hid for hid in handle_ids if hid in self._live]
             if not ids:
                 return
-            self._append([_line({"release": ids})])
             for hid in ids:
                 del self._live[hid]
+            try:
+                self._append([_line({"release": ids})])
+            except OSError as exc:  # the release stands; only a crash before the next rewrite could bring them back
+                log.error("handle journal %s: could not record the release of %d handle(s): %s", self.path, len(ids), exc)
 
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
-        self._rewrite()
+        try:
+            self._rewrite()
+        except OSError as exc:  # the appended journal stays valid; it is rewritten at the next start
+            log.error("handle journal %s could not be rewritten: %s", self.path, exc)
 
     def _append(self, lines: list[bytes]) -> None:
         if self._fd is None:
             raise RuntimeError("the handle journal is closed")
-        os.write(self._fd, b"".join(lines))  # one write: O_APPEND keeps it whole against other writers
-        os.fsync(self._fd)
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            os.write(self._fd, b"".join(lines))  # one write: O_APPEND keeps it whole against other writers
+            os.fsync(self._fd)
+        except OSError:
+            with contextlib.suppress(OSError):  # a partial line of a full disk must not stay in the middle
+                os.ftruncate(self._fd, end)
+            raise
 
     def _load(self) -> None:
         if not self.path.exists():
@@ -133,9 +145,8 @@ class Journal:
         for raw in data.split(b"\n"):
             record = _parse(raw)
             if record is None:
-                if raw:
-                    log.warning("handle journal %s: a torn or corrupted line (a crash mid-write) was ignored", self.path)
-                    break  # appends are ordered: nothing valid follows a torn line
+                if raw:  # a kill mid-append leaves at most the last line torn
+                    log.warning("handle journal %s: a torn or corrupted line was ignored", self.path)
                 continue
             if header is None:
                 header = record.get("header")

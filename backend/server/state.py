@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 from kvbaton.client import sampling_params
-from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest
+from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest, ServerUnavailable
 from kvbaton.handle import Handle
 from kvbaton.ops import EngineOps, check_reuse, ste_map
 from kvbaton.types import Reuse, SamplingParams, Stats
@@ -142,7 +142,14 @@ class ServerState:
         handles = list(handles)
         self.owners.add(tenant, [(h.id, h.num_tokens) for h in handles])
         if self.journal is not None:  # durable before the client hears of the handles
-            self.journal.add(tenant, handles)
+            try:
+                self.journal.add(tenant, handles)
+            except OSError as exc:  # a full disk: refuse, rather than hand out handles a restart would lose
+                self.release_quietly([h.id for h in handles])
+                raise ServerUnavailable(
+                    f"the handle journal cannot be written ({exc.strerror or exc}): the request's handles were "
+                    "released; retry later"
+                ) from exc
 
     def admit(self, tenant: str, handles: int = 1, tokens: int = 0) -> Admission:
         """Admit a request making up to ``handles`` handles (``tokens`` in all, when known) within the
