@@ -66,8 +66,9 @@ def _free_port() -> int:
 class Server:
     """One ``kvbaton serve`` process (restartable on the same port), its log in a temporary file."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], token: str | None = None) -> None:
         self.args = args
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(tempfile.mkstemp(prefix="kvbaton-soak-", suffix=".log")[1])
@@ -86,7 +87,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvbaton serve exited with {self.proc.returncode}:\n{self.output()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", headers=self.headers, timeout=2).status_code == 200:
                     return self
             time.sleep(0.3)
         self.stop()
@@ -340,7 +341,7 @@ def persistent_phase(clients: int, seconds: float, kv_budget: str, tier_mib: int
         args = ["--persist", "--tier", f"disk:{2 * tier_mib}MiB:{tier}", "--kv-budget", kv_budget,
                 "--max-tokens", "64", "--default-max-tokens", str(MAX_TOKENS), "--max-handles-per-tenant", "100000",
                 *[a for t in TOKENS for a in ("--token", t)]]
-        server = Server(args)
+        server = Server(args, token=TOKENS[0])
         try:
             server.start()
             load(server.url, min(clients, 2), min(seconds, 5), TOKENS, Tally(), system, seed)  # warm-up
@@ -422,6 +423,10 @@ def table(payload: dict[str, Any]) -> str:
     return format_table(columns, rows)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvbaton.bench soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -438,6 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.duration, args.clients, args.no_cluster = min(args.duration, 6.0), min(args.clients, 8), True
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # A SIGTERM (timeout, CI) unwinds like Ctrl-C: servers stopped, the tmpfs unmounted.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
     args.quick_record = args.quick_record or args.quick
     with record.Recording.from_args("soak", args, argv) as rec:
         payload = run(args.duration, args.clients, args.kv_budget, args.tier_mib, not args.no_cluster, args.seed)
