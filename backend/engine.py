@@ -527,6 +527,8 @@ class Engine:
             needed.update(keys)
 
             def read(i: int, keys: list[str] = keys) -> tuple[torch.Tensor, torch.Tensor] | None:
+                if keys[i] not in store:
+                    return None  # never saved (a crash, a full disk): recomputed from the lineage
                 try:
                     return store.get(keys[i])
                 except Exception as exc:  # noqa: BLE001 - missing or corrupted: recomputed, never used
@@ -556,7 +558,7 @@ class Engine:
                     break  # recomputed from the lineage after the restart
                 try:
                     store.put(key, *data)
-                except OSError as exc:
+                except Exception as exc:  # noqa: BLE001 - a full disk (safetensors' own error type): recomputed later
                     log.warning("could not save a block of handle %s (%s): it will be recomputed", state.id, exc)
                     break
         store.keep_only(needed)

@@ -7,7 +7,7 @@ directory (owned by its configuration, :mod:`.tierdirs`) holds a ``state/`` dire
   a restart. It is never sent anywhere;
 - ``handles.jsonl``: the handle journal. One line per event, ``<crc32> <json>``: a header (model
   fingerprint, dtype, block size), ``add`` (an exact handle with its lineage, its owner and agent),
-  ``release`` (ids). Each line is appended with ``O_APPEND`` and ``fsync``'d before the caller goes
+  ``slot`` (an OpenAI agent's slot retains the handle), ``release`` (ids). Each line is appended with ``O_APPEND`` and ``fsync``'d before the caller goes
   on, so a kill at any point leaves whole lines plus at most one torn last line, which its checksum
   rejects (and which is cut off on open). On open the journal is rewritten with its live handles
   only (temporary file, ``fsync``, ``rename``): it never grows beyond the live handles for long;
@@ -58,6 +58,7 @@ class Entry:
     handle: Handle
     owner: str | None
     agent: str | None
+    slot: str | None = None  # the agent whose OpenAI slot retains it (server/tenancy.AgentSlots)
 
 
 def state_dir(tier_dir: Path) -> Path:
@@ -96,11 +97,20 @@ class Journal:
         entries = [Entry(h, owner, agent) for h in handles if h.exact]
         if not entries:
             return
-        lines = [_line({"add": e.handle.model_dump(mode="json"), "owner": e.owner, "agent": e.agent}) for e in entries]
+        lines = [_add_line(e) for e in entries]
         with self._lock:
             self._append(lines)
             for e in entries:
                 self._live[e.handle.id] = e
+
+    def retain(self, handle_id: str, agent: str) -> None:
+        """Journal that ``agent``'s OpenAI slot (of the handle's owner) retains the handle (durable on return)."""
+        with self._lock:
+            entry = self._live.get(handle_id)
+            if entry is None:
+                return
+            self._append([_line({"slot": handle_id, "agent": agent})])
+            self._live[handle_id] = Entry(entry.handle, entry.owner, entry.agent, agent)
 
     def release(self, handle_ids: Iterable[str]) -> None:
         """Journal that these handles are gone (durable on return); ids not journaled are ignored."""
@@ -164,7 +174,11 @@ class Journal:
                 except ValueError:
                     log.warning("handle journal %s: an unreadable handle record was skipped", self.path)
                     continue
-                self._live[handle.id] = Entry(handle, record.get("owner"), record.get("agent"))
+                self._live[handle.id] = Entry(handle, record.get("owner"), record.get("agent"), record.get("slot"))
+            elif "slot" in record:
+                entry = self._live.get(record["slot"])
+                if entry is not None:
+                    self._live[record["slot"]] = Entry(entry.handle, entry.owner, entry.agent, record.get("agent"))
             elif "release" in record:
                 for hid in record["release"]:
                     self._live.pop(hid, None)
@@ -172,10 +186,7 @@ class Journal:
     def _rewrite(self) -> None:
         """Replace the journal by its header and live handles, atomically."""
         with self._lock:
-            lines = [_line({"header": self.header})] + [
-                _line({"add": e.handle.model_dump(mode="json"), "owner": e.owner, "agent": e.agent})
-                for e in self._live.values()
-            ]
+            lines = [_line({"header": self.header})] + [_add_line(e) for e in self._live.values()]
         _atomic_write(self.path, b"".join(lines))
 
 
@@ -222,8 +233,10 @@ class BlockStore:
             data = load_file(str(self.path(key)))
             k, v = data["k"], data["v"]
         except Exception as exc:  # missing, truncated or garbled
+            self._crc.pop(key, None)
             raise TierDataError(f"saved block {self.path(key)} could not be read: {exc}") from exc
         if checksum(k, v) != crc:
+            self._crc.pop(key, None)  # told once; the block is deleted by the next keep_only
             raise TierDataError(f"saved block {self.path(key)} is corrupted")
         return k, v
 
@@ -279,6 +292,11 @@ def _salt(path: Path) -> bytes:
     finally:
         os.close(fd)
     return salt
+
+
+def _add_line(e: Entry) -> bytes:
+    record = {"add": e.handle.model_dump(mode="json"), "owner": e.owner, "agent": e.agent}
+    return _line({**record, "slot": e.slot} if e.slot is not None else record)
 
 
 def _line(record: dict[str, Any]) -> bytes:

@@ -6,10 +6,11 @@ Specification:
   the output before the restart (K/V loaded from saved blocks, or recomputed from the lineage);
 - a saved block that is corrupted is recomputed, never used: the output is still identical;
 - tenants keep apart across restarts: another tenant gets 404 for the restored handles;
-- released handles do not come back;
+- released handles do not come back; an OpenAI agent's retained handle is retained again (its next
+  request replaces it rather than leaving it orphaned);
 - no file outlives a restart beyond what the live handles need: after every handle is released and
   a clean exit, no block is left, and the tier's own block files are gone;
-- the journal (unit): a torn last line (a kill mid-write) is ignored; a journal of another model,
+- the journal (unit): slots and releases replay; a torn last line (a kill mid-write) is ignored; a journal of another model,
   dtype or block size is dropped whole; the salt file is private (0600) and stable.
 """
 
@@ -77,6 +78,13 @@ def outputs(url: str, handles: dict[str, str]) -> tuple[dict[str, list[int]], di
     return out, reused
 
 
+def chat_as_writer(server: ServerProcess) -> None:
+    with server.http(TOKEN_A) as http:
+        answer = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2},
+                           headers={"X-Kvbaton-Agent": "writer"})
+        assert answer.status_code == 200, answer.text
+
+
 def test_handles_survive_restarts_crashes_and_corruption(restarts: list[ServerProcess], tier: Path) -> None:
     server = restarts[-1]
     with kvbaton.connect(server.url, token=TOKEN_A) as a, kvbaton.connect(server.url, token=TOKEN_B) as b:
@@ -85,6 +93,7 @@ def test_handles_survive_restarts_crashes_and_corruption(restarts: list[ServerPr
         gone = a.materialize(PROMPT + " A released note.")
         a.release(gone)
         theirs = b.materialize(PROMPT)
+    chat_as_writer(server)  # the agent's OpenAI slot retains its result handle
     handles = {"doc": doc.id, "chat": chat.id}
     before, _ = outputs(server.url, handles)
 
@@ -119,10 +128,11 @@ def test_handles_survive_restarts_crashes_and_corruption(restarts: list[ServerPr
     after, reused = outputs(server.url, handles)
     assert after == before
     assert reused["doc"] == 0, "corrupted blocks are not used"
+    chat_as_writer(server)  # the slot still retains the old handle: it is replaced (and released), not orphaned
 
     # Released everywhere and a clean exit: no block is left, the journal holds its header only.
     with server.http(TOKEN_A) as a, server.http(TOKEN_B) as b:
-        assert a.post("/v1/kv/release_all").json()["released"] == 3
+        assert a.post("/v1/kv/release_all").json()["released"] == 4  # doc, chat, late, the writer's slot
         assert b.post("/v1/kv/release_all").json()["released"] == 1
     restarts[-1].stop()
     assert not list((tier / "state" / "blocks").iterdir())
@@ -145,6 +155,7 @@ def test_journal_keeps_whole_lines_drops_a_torn_tail_and_other_models(tmp_path: 
     journal = Journal(tmp_path / "j", HEADER)
     journal.add("t-a", [_handle("a1", [1, 2, 3]), _handle("a2", [4])])
     journal.release([_handle("a2", [4]).id])
+    journal.retain(_handle("a1", [1, 2, 3]).id, "writer")
     journal.add("t-a", [_handle("a3", [5])])
     journal._fd and os.close(journal._fd)  # a kill: no close, no rewrite
     with (tmp_path / "j").open("ab") as f:
@@ -152,6 +163,7 @@ def test_journal_keeps_whole_lines_drops_a_torn_tail_and_other_models(tmp_path: 
     again = Journal(tmp_path / "j", HEADER)
     assert sorted(e.handle.id[:2] for e in again.live()) == ["a1", "a3"]
     assert {e.owner for e in again.live()} == {"t-a"}
+    assert {e.handle.id[:2]: e.slot for e in again.live()} == {"a1": "writer", "a3": None}
     again.close()
     other = Journal(tmp_path / "j", {**HEADER, "model_fingerprint": "other"})
     assert other.live() == [] and other.dropped == 2

@@ -97,7 +97,10 @@ class ServerState:
         # A persistent engine's handles of an earlier run: their tenants own them again.
         self.journal = journal
         for entry in journal.live() if journal is not None else ():
-            self.owners.add(entry.owner or SINGLE_TENANT, [(entry.handle.id, entry.handle.num_tokens)])
+            tenant = entry.owner or SINGLE_TENANT
+            self.owners.add(tenant, [(entry.handle.id, entry.handle.num_tokens)])
+            if entry.slot is not None:
+                self.slots.slot((tenant, entry.slot)).replace(entry.handle.id)
         self.metrics = Metrics(engine.stats)
         self._hints_lock = threading.Lock()
         self._hints: dict[str, dict[str, float]] = {}  # tenant -> {engine agent name: steps}
@@ -150,6 +153,14 @@ class ServerState:
                     f"the handle journal cannot be written ({exc.strerror or exc}): the request's handles were "
                     "released; retry later"
                 ) from exc
+
+    def retained(self, key: tuple[str, str], handle_id: str) -> None:
+        """The agent's slot ``key`` now retains ``handle_id`` (journaled: the slot holds it again after a restart)."""
+        if self.journal is not None:
+            try:
+                self.journal.retain(handle_id, key[1])
+            except OSError as exc:  # the handle itself is journaled: after a restart it is owned, just not retained
+                log.error("could not journal the slot of handle %s: %s", handle_id, exc)
 
     def admit(self, tenant: str, handles: int = 1, tokens: int = 0) -> Admission:
         """Admit a request making up to ``handles`` handles (``tokens`` in all, when known) within the

@@ -52,6 +52,7 @@ KEEP_PER_CLIENT = 3
 MAX_TOKENS = 4
 DROP_RATE = 0.15  # share of streamed requests the client abandons after the first event
 MIB = 2**20
+LOG_TAIL = 6000  # characters of the servers' log kept in the record (warnings and tracebacks)
 
 
 # -- servers ----------------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class Server:
 
     def output(self) -> str:
         with contextlib.suppress(OSError):
-            return self.log.read_text(errors="replace")[-4000:]
+            return self.log.read_text(errors="replace")
         return ""
 
     def close(self) -> None:
@@ -352,13 +353,16 @@ def persistent_phase(clients: int, seconds: float, kv_budget: str, tier_mib: int
             server.start()
             kept, ok = recovered(server.url, pool)
             left = leaks(server.url, TOKENS)
+            server.stop()
+            logs = server.output()  # both runs' output: what a 500 or a failed exit was
         finally:
             server.close()
     return {"phase": "persistent", "clients": clients, "seconds": seconds, "tier_fs": tier_fs,
             "requests": dict(tally.requests), "errors": dict(tally.errors), "dropped_streams": tally.dropped,
             "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
             "rss_growth_bytes": None if rss_start is None or rss_end is None else rss_end - rss_start,
-            "clean_exit_code": exit_code, "handles_kept": kept, "handles_recovered": ok, **left}
+            "clean_exit_code": exit_code, "handles_kept": kept, "handles_recovered": ok, **left,
+            "server_log_tail": logs[-LOG_TAIL:]}
 
 
 def cluster_phase(clients: int, seconds: float, kv_budget: str, seed: int) -> dict[str, Any]:
@@ -383,12 +387,15 @@ def cluster_phase(clients: int, seconds: float, kv_budget: str, seed: int) -> di
         rss_end = server.rss_bytes()
         healthy = httpx.get(f"{server.url}/health", timeout=60).status_code == 200
         left = leaks(server.url, (None,))
+        server.stop()
+        logs = server.output()
     finally:
         server.close()
     return {"phase": "cluster", "clients": clients, "seconds": seconds, "workers_killed": len(killed),
             "healthy_after": healthy, "requests": dict(tally.requests), "errors": dict(tally.errors),
             "dropped_streams": tally.dropped, "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
-            "rss_growth_bytes": None if rss_start is None or rss_end is None else rss_end - rss_start, **left}
+            "rss_growth_bytes": None if rss_start is None or rss_end is None else rss_end - rss_start, **left,
+            "server_log_tail": logs[-LOG_TAIL:]}
 
 
 def run(duration: float = 120.0, clients: int = 64, kv_budget: str = "96MiB", tier_mib: int = 24,
