@@ -544,6 +544,7 @@ class Engine:
         """Save the full blocks of every journaled live handle the store lacks; delete the others."""
         assert self.persistence is not None
         store, bs, needed = self.persistence.blocks, self.block_size, set()
+        failed: Exception | None = None
         for entry in self.persistence.journal.live():
             state = self.handles.find(entry.handle.id)
             if state is None:
@@ -551,16 +552,17 @@ class Engine:
             keys = block_keys(state.token_ids, bs, len(state.token_ids) // bs)
             needed.update(keys)
             for i, key in enumerate(keys):
-                if key in store:
+                if failed is not None or key in store:
                     continue
                 data = self.kv.full_block(state, i)
                 if data is None:
                     break  # recomputed from the lineage after the restart
                 try:
                     store.put(key, *data)
-                except Exception as exc:  # noqa: BLE001 - a full disk (safetensors' own error type): recomputed later
-                    log.warning("could not save a block of handle %s (%s): it will be recomputed", state.id, exc)
-                    break
+                except Exception as exc:  # noqa: BLE001 - a full disk (safetensors' own error type)
+                    failed = exc
+        if failed is not None:
+            log.warning("saving the live handles' blocks stopped (%s): the rest are recomputed after the restart", failed)
         store.keep_only(needed)
 
     def close(self) -> None:
