@@ -10,6 +10,7 @@ Specification:
   request replaces it rather than leaving it orphaned);
 - no file outlives a restart beyond what the live handles need: after every handle is released and
   a clean exit, no block is left, and the tier's own block files are gone;
+- persistence is refused without a disk tier, and on a multi-device server;
 - the journal (unit): slots and releases replay; a torn last line (a kill mid-write) is ignored; a journal of another model,
   dtype or block size is dropped whole; the salt file is private (0600) and stable.
 """
@@ -168,6 +169,18 @@ def test_journal_keeps_whole_lines_drops_a_torn_tail_and_other_models(tmp_path: 
     other = Journal(tmp_path / "j", {**HEADER, "model_fingerprint": "other"})
     assert other.live() == [] and other.dropped == 2
     other.close()
+
+
+@pytest.mark.unit
+def test_persistence_needs_a_disk_tier_and_one_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvbaton import cli
+    from kvbaton.backend import Engine
+    from kvbaton.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="disk tier"):
+        Engine(persist=True)  # refused before the model loads
+    assert cli.main(["serve", "--persist", "--devices", "cpu,cpu", "--tier", f"disk:1MiB:{tmp_path}"]) == 2
+    assert "single-device" in capsys.readouterr().err
 
 
 @pytest.mark.unit
