@@ -414,7 +414,7 @@ def _mib(value: int | None) -> str:
 def table(payload: dict[str, Any]) -> str:
     """One row per phase: load, errors by class, leaks after ``release_all``, RSS growth, recovery."""
     columns = ["phase", "clients x s", "requests", "errors by class", "dropped streams", "leaked handles",
-               "leaked blocks", "RSS growth", "recovered after restart"]
+               "leaked blocks", "RSS growth", "restart / worker kill"]
     rows = []
     for r in payload["rows"]:
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(r["errors"].items())) or "none"
