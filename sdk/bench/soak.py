@@ -314,6 +314,14 @@ def leaks(url: str, tokens: tuple[str | None, ...]) -> dict[str, int]:
             "leaked_blocks": int(stats["blocks_used"]) - int(stats["blocks_cache_only"])}
 
 
+def tier_write_errors(url: str, token: str) -> int | None:
+    """The failed tier reads and writes the server counted (a full tmpfs: ENOSPC)."""
+    import httpx
+
+    stats = httpx.get(f"{url}/v1/kv/stats", headers={"Authorization": f"Bearer {token}"}, timeout=120).json()
+    return (stats.get("cache") or {}).get("tier_errors")
+
+
 def recovered(url: str, pool: list[SoakClient]) -> tuple[int, int]:
     """How many of the handles the clients kept resume after the restart (by their own tenant)."""
     import httpx
@@ -349,6 +357,7 @@ def persistent_phase(clients: int, seconds: float, kv_budget: str, tier_mib: int
             rss_start = server.rss_bytes()
             pool = load(server.url, clients, seconds, TOKENS, tally, system, seed)
             rss_end = server.rss_bytes()
+            tier_errors = tier_write_errors(server.url, TOKENS[0])
             exit_code = server.stop()
             server.start()
             kept, ok = recovered(server.url, pool)
@@ -358,6 +367,7 @@ def persistent_phase(clients: int, seconds: float, kv_budget: str, tier_mib: int
         finally:
             server.close()
     return {"phase": "persistent", "clients": clients, "seconds": seconds, "tier_fs": tier_fs,
+            "tier_errors": tier_errors,
             "requests": dict(tally.requests), "errors": dict(tally.errors), "dropped_streams": tally.dropped,
             "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
             "rss_growth_bytes": None if rss_start is None or rss_end is None else rss_end - rss_start,
@@ -420,7 +430,7 @@ def table(payload: dict[str, Any]) -> str:
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(r["errors"].items())) or "none"
         if r["phase"] == "persistent":
             extra = f"{r['handles_recovered']} of {r['handles_kept']}"
-            phase = f"one device, --persist, tier on {r['tier_fs']}"
+            phase = f"one device, --persist, tier on {r['tier_fs']} ({r.get('tier_errors', '?')} tier errors)"
         else:
             extra = f"worker killed: {r['workers_killed']}, healthy after: {r['healthy_after']}"
             phase = "--devices cpu,cpu, one worker SIGKILLed"
