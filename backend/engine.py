@@ -103,7 +103,9 @@ class Engine:
         if persist and disk is None:
             for tier in claimed:
                 tier.release()
-            raise InvalidRequest("persist=True keeps handles in a disk tier's directory: configure one, e.g. 'disk:4GiB'")
+            raise InvalidRequest(
+                "persist=True keeps handles in a disk tier's directory: configure one, e.g. 'disk:4GiB'"
+            )
         self._ste: dict[str, float] = {}  # the agents' steps-to-execution, read live by the eviction policies
         try:
             self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device,
@@ -562,7 +564,8 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - a full disk (safetensors' own error type)
                     failed = exc
         if failed is not None:
-            log.warning("saving the live handles' blocks stopped (%s): the rest are recomputed after the restart", failed)
+            log.warning("saving the live handles' blocks stopped (%s): the rest are recomputed after the restart",
+                        failed)
         store.keep_only(needed)
 
     def close(self) -> None:

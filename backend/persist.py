@@ -7,8 +7,8 @@ directory (owned by its configuration, :mod:`.tierdirs`) holds a ``state/`` dire
   a restart. It is never sent anywhere;
 - ``handles.jsonl``: the handle journal. One line per event, ``<crc32> <json>``: a header (model
   fingerprint, dtype, block size), ``add`` (an exact handle with its lineage, its owner and agent),
-  ``slot`` (an OpenAI agent's slot retains the handle), ``release`` (ids). Each line is appended with ``O_APPEND`` and ``fsync``'d before the caller goes
-  on, so a kill at any point leaves whole lines plus at most one torn last line, which its checksum
+  ``slot`` (an OpenAI agent's slot retains the handle), ``release`` (ids). Each line is appended
+  with ``O_APPEND`` and ``fsync``'d before the caller goes on, so a kill at any point leaves whole lines plus at most one torn last line, which its checksum
   rejects (and which is cut off on open). On open the journal is rewritten with its live handles
   only (temporary file, ``fsync``, ``rename``): it never grows beyond the live handles for long;
 - ``blocks/<key>.safetensors`` + ``blocks.json``: K/V blocks of live handles, saved at a clean exit.
@@ -123,7 +123,8 @@ class Journal:
             try:
                 self._append([_line({"release": ids})])
             except OSError as exc:  # the release stands; only a crash before the next rewrite could bring them back
-                log.error("handle journal %s: could not record the release of %d handle(s): %s", self.path, len(ids), exc)
+                log.error("handle journal %s: could not record the release of %d handle(s): %s",
+                          self.path, len(ids), exc)
 
     def close(self) -> None:
         with self._lock:
@@ -260,7 +261,8 @@ class Persistence:
         self.root = root
         root.mkdir(mode=0o700, exist_ok=True)
         self.salt = _salt(root / "salt")
-        header = {"version": JOURNAL_VERSION, "model_fingerprint": fingerprint, "dtype": dtype, "block_size": block_size}
+        header = {"version": JOURNAL_VERSION, "model_fingerprint": fingerprint, "dtype": dtype,
+                  "block_size": block_size}
         self.journal = Journal(root / "handles.jsonl", header)
         self.blocks = BlockStore(root)
         if self.journal.dropped:

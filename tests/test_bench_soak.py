@@ -46,7 +46,8 @@ def test_report_renders_the_soak_section_from_its_record():
            "rows": [PERSISTENT, CLUSTER]}
     text = report.section("soak", rec, "")
     assert "run `20261202T000000Z-abcdef0`" in text and "40 of 40" in text
-    assert "soak" in report.SECTIONS and "<!-- bench:soak:start -->" in (report.REPO_ROOT / report.RESULTS_MD).read_text()
+    assert "soak" in report.SECTIONS
+    assert "<!-- bench:soak:start -->" in (report.REPO_ROOT / report.RESULTS_MD).read_text()
 
 
 def test_quick_soak_leaks_nothing_and_recovers_every_kept_handle(tmp_path: Path):

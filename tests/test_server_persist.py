@@ -11,8 +11,9 @@ Specification:
 - no file outlives a restart beyond what the live handles need: after every handle is released and
   a clean exit, no block is left, and the tier's own block files are gone;
 - persistence is refused without a disk tier, and on a multi-device server;
-- the journal (unit): slots and releases replay; a torn last line (a kill mid-write) is ignored; a journal of another model,
-  dtype or block size is dropped whole; the salt file is private (0600) and stable.
+- the journal (unit): slots and releases replay; a torn last line (a kill mid-write) is ignored; a
+  journal of another model, dtype or block size is dropped whole; the salt file is private (0600)
+  and stable.
 """
 
 from __future__ import annotations
@@ -146,8 +147,9 @@ HEADER = {"version": 1, "model_fingerprint": "m", "dtype": "torch.float32", "blo
 
 
 def _handle(hid: str, tokens: list[int]) -> Handle:
-    return Handle(id=hid.ljust(32, "0"), model="m", model_fingerprint="m", tokenizer_fingerprint="t", num_tokens=len(tokens),
-                  positions=Positions(rope_type="default", rope_theta=10000.0), lineage=(LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)),),
+    return Handle(id=hid.ljust(32, "0"), model="m", model_fingerprint="m", tokenizer_fingerprint="t",
+                  num_tokens=len(tokens), positions=Positions(rope_type="default", rope_theta=10000.0),
+                  lineage=(LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)),),
                   placement=Placement(device="cpu"))
 
 

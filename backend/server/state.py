@@ -9,7 +9,9 @@ before the engine runs it; every operation naming a handle restarts its idle tim
 and ``sweep`` releases handles idle longer than the TTL; the engine gets every tenant's hints at
 once, and a tenant's stats show only its own agents; on a multi-tenant server a request's
 cross-prefix reuse places only its own tenant's spans (unless shared explicitly), and where the engine
-cannot scope them every request runs ``"exact"``.
+cannot scope them every request runs ``"exact"``. With a persistent engine (``Engine(persist=True)``),
+``record``, ``retained`` and every release also go to its handle journal (:mod:`..persist`), durably
+before the answer, and the journal's handles are their tenants' (and their slots') again at start.
 """
 
 from __future__ import annotations
