@@ -337,9 +337,12 @@ class Engine:
 
     def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
         with self._lock:
-            for _, state in self.handles.release(handles):  # all or nothing
+            released = self.handles.release(handles)  # all or nothing
+            for _, state in released:
                 self.kv.drop(state)
                 self.spans.remove(state.id)
+        if self.persistence is not None:  # durable: a released handle never comes back
+            self.persistence.journal.release([hid for hid, _ in released])
 
     def describe(self, handle: HandleLike) -> Handle:
         """The current metadata of a live handle."""
@@ -504,6 +507,17 @@ class Engine:
         return self.inputs.chat_tokens(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
     # -- persistence (persist.py) ------------------------------------------------------------------
+    def persist_handles(self, handles: Iterable[Handle], *, owner: str | None = None) -> None:
+        """Journal live exact handles (for ``owner``, a server's tenant): they come back after a
+        restart of this configuration, until released. A server journals every handle it records;
+        in process, call this for the handles to keep. Approximate handles are not journaled."""
+        if self.persistence is None:
+            raise InvalidRequest("persistence is off: build the engine with persist=True and a disk tier")
+        handles = list(handles)
+        for handle in handles:
+            self.handles.get(handle)  # live here, or the typed error
+        self.persistence.journal.add(owner, handles)
+
     def _restore(self) -> None:
         """Register the journal's handles as spilled, and put their saved blocks in the prefix cache."""
         assert self.persistence is not None
