@@ -353,7 +353,7 @@ def persistent_phase(clients: int, seconds: float, kv_budget: str, tier_mib: int
         server = Server(args, token=TOKENS[0])
         try:
             server.start()
-            load(server.url, min(clients, 2), min(seconds, 5), TOKENS, Tally(), system, seed)  # warm-up
+            load(server.url, min(clients, 2), min(seconds / 2, 5), TOKENS, Tally(), system, seed)  # warm-up
             rss_start = server.rss_bytes()
             pool = load(server.url, clients, seconds, TOKENS, tally, system, seed)
             rss_end = server.rss_bytes()
