@@ -51,6 +51,7 @@ from .scheduler import Scheduler
 from .spans import MIN_SPAN, SpanIndex
 from .sequence import KVState
 from .stats import engine_stats
+from .persist import Persistence, block_keys, state_dir
 from .tiers import claim_tiers
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class Engine:
         audit_fraction: float = DEFAULT_AUDIT_FRACTION,
         chat_template: str | None = None,
         event_capacity: int = 4096,
+        persist: bool = False,
     ) -> None:
         check_reuse(reuse)
         self.reuse: Reuse = reuse
@@ -101,6 +103,13 @@ class Engine:
         self.correction = correction_config(correction) or CorrectionConfig()
         # Tier directories first: a bad spec or an unwritable directory fails before the model loads.
         claimed = claim_tiers(tiers)
+        disk = next((t.dir.path for t in claimed if t.dir is not None), None)
+        if persist and disk is None:
+            for tier in claimed:
+                tier.release()
+            raise InvalidRequest(
+                "persist=True keeps handles in a disk tier's directory: configure one, e.g. 'disk:4GiB'"
+            )
         self._ste: dict[str, float] = {}  # the agents' steps-to-execution, read live by the eviction policies
         self._ste_before_run: dict[str, float] = {}  # each hinted agent's STE just before a hint marked it running
         self.event_ring = EventRing(event_capacity)  # what requests, evictions and prefetches did (events.py)
@@ -162,6 +171,16 @@ class Engine:
             self.kv, self.handles, self.requests, self.inputs, self.shifter, weakref.proxy(self), self.correction,
             lm.num_kv_heads, lm.head_dim,
         )
+        # Handles of an earlier run of this configuration come back spilled: K/V from saved blocks or lineage.
+        self.persistence: Persistence | None = None
+        if persist:
+            assert disk is not None
+            self.persistence = Persistence(state_dir(disk), fingerprint=lm.fingerprint, dtype=str(lm.dtype),
+                                           block_size=block_size)
+            self._restore()
+        elif disk is not None and state_dir(disk).exists():
+            log.warning("%s holds handles persisted by an earlier run: they are kept, not served (start with "
+                        "persist on to serve them)", state_dir(disk))
         log.info("engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens",
                  lm.name, dtype, device, self.pool.num_blocks, block_size)
 
@@ -327,9 +346,12 @@ class Engine:
 
     def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
         with self._lock:
-            for _, state in self.handles.release(handles):  # all or nothing
+            released = self.handles.release(handles)  # all or nothing
+            for _, state in released:
                 self.kv.drop(state)
                 self.spans.remove(state.id)
+        if self.persistence is not None:  # durable: a released handle never comes back
+            self.persistence.journal.release([hid for hid, _ in released])
 
     def describe(self, handle: HandleLike) -> Handle:
         """The current metadata of a live handle."""
@@ -523,12 +545,95 @@ class Engine:
         """Token ids of ``messages`` rendered by the model's chat template (see :meth:`Inputs.chat_tokens`)."""
         return self.inputs.chat_tokens(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
+    # -- persistence (persist.py) ------------------------------------------------------------------
+    def persist_handles(self, handles: Iterable[Handle], *, owner: str | None = None) -> None:
+        """Journal live exact handles (for ``owner``, a server's tenant): they come back after a
+        restart of this configuration, until released. A server journals every handle it records;
+        in process, call this for the handles to keep. Approximate handles are not journaled."""
+        if self.persistence is None:
+            raise InvalidRequest("persistence is off: build the engine with persist=True and a disk tier")
+        handles = list(handles)
+        for handle in handles:
+            self.handles.get(handle)  # live here, or the typed error
+        self.persistence.journal.add(owner, handles)
+
+    def _restore(self) -> None:
+        """Register the journal's handles as spilled, and put their saved blocks in the prefix cache."""
+        assert self.persistence is not None
+        journal, store, bs = self.persistence.journal, self.persistence.blocks, self.block_size
+        gone, needed = [], set()
+        for entry in journal.live():
+            handle = entry.handle
+            try:
+                self.handles.identity.check(handle)  # type: ignore[union-attr]
+                tokens = self.inputs.tokens(handle.token_ids(), what="lineage")
+                if len(tokens) != handle.num_tokens or handle.id in self.handles:
+                    raise InvalidRequest(f"handle {handle.id} lineage does not spell its {handle.num_tokens} tokens")
+            except Exception as exc:  # noqa: BLE001 - one bad record costs its handle, not the start
+                log.warning("persisted handle %s is dropped: %s", handle.id, exc)
+                gone.append(handle.id)
+                continue
+            state = KVState(id=handle.id, token_ids=tokens, blocks=[], num_cached=0, lineage=handle.lineage,
+                            agent=entry.agent)
+            with self._lock:
+                self.handles.add(handle.id, state)
+                self.kv.spiller.spilled.add(handle.id)
+            keys = block_keys(tokens, bs, len(tokens) // bs)
+            needed.update(keys)
+
+            def read(i: int, keys: list[str] = keys) -> tuple[torch.Tensor, torch.Tensor] | None:
+                if keys[i] not in store:
+                    return None  # never saved (a crash, a full disk): recomputed from the lineage
+                try:
+                    return store.get(keys[i])
+                except Exception as exc:  # noqa: BLE001 - missing or corrupted: recomputed, never used
+                    log.warning("%s; those tokens will be recomputed", exc)
+                    return None
+
+            self.kv.cache_blocks(tokens, len(keys), read)
+        journal.release(gone)
+        store.keep_only(needed)
+        log.info("restored %d persisted handle(s)", len(journal.live()))
+
+    def _save(self) -> None:
+        """Save the full blocks of every journaled live handle the store lacks; delete the others."""
+        assert self.persistence is not None
+        store, bs, needed = self.persistence.blocks, self.block_size, set()
+        failed: Exception | None = None
+        for entry in self.persistence.journal.live():
+            state = self.handles.find(entry.handle.id)
+            if state is None:
+                continue
+            keys = block_keys(state.token_ids, bs, len(state.token_ids) // bs)
+            needed.update(keys)
+            for i, key in enumerate(keys):
+                if failed is not None or key in store:
+                    continue
+                data = self.kv.full_block(state, i)
+                if data is None:
+                    break  # recomputed from the lineage after the restart
+                try:
+                    store.put(key, *data)
+                except Exception as exc:  # noqa: BLE001 - a full disk (safetensors' own error type)
+                    failed = exc
+        if failed is not None:
+            log.warning("saving the live handles' blocks stopped (%s): the rest are recomputed after the restart",
+                        failed)
+        store.keep_only(needed)
+
     def close(self) -> None:
-        """Stop the prefetch worker and delete slow-tier files. Live handles become unusable."""
+        """Stop the prefetch worker and delete slow-tier files. Live handles become unusable; with
+        persistence on, the journaled ones are saved first and come back at the next start."""
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
         with self._lock:
+            if self.persistence is not None:
+                try:
+                    self._save()
+                finally:
+                    self.persistence.close()
+                    self.persistence = None
             if self.cache is not None:
                 self.cache.close()
             for state in self.handles.states():

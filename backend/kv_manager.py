@@ -229,6 +229,60 @@ class KVManager:
             with self.lock:
                 self.cache.insert(state.token_ids, state.blocks, exact // self.block_size)
 
+    def full_block(self, state: KVState, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A copy of the K/V of the state's ``i``-th full block: its own, else the prefix cache's (on
+        the device or in a slow tier); None when neither holds it (a spilled handle's dropped block)."""
+        with self.lock:
+            if (i + 1) * self.block_size <= state.num_cached:
+                return self.pool.read_block(state.blocks[i])
+            if self.cache is None:
+                return None
+            path = self.cache.match(state.token_ids, (i + 1) * self.block_size, touch=False)
+            if len(path) <= i:
+                return None
+            node = path[i]
+            if node.state is NodeState.DEVICE and node.block is not None:
+                return self.pool.read_block(node.block)
+            if node.state is not NodeState.SLOW:
+                return None
+            try:
+                return self.cache.read(node)
+            except Exception as exc:  # noqa: BLE001 - a failing tier: that block is recomputed later
+                log.warning("%s; that block will be recomputed", exc)
+                return None
+
+    def cache_blocks(
+        self, tokens: Sequence[int], n: int, read: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None]
+    ) -> int:
+        """Put the first ``n`` full blocks of ``tokens`` in the prefix cache, block ``i``'s K/V from
+        ``read(i)``, while the pool has free blocks and ``read`` has data (None: stop, the rest is
+        recomputed when needed); blocks the cache holds already are kept. How many were read."""
+        if self.cache is None or n <= 0:
+            return 0
+        with self.lock:
+            have = len(self.cache.match(tokens, n * self.block_size, touch=False))
+            blocks = []
+            for i in range(have, n):
+                if self.pool.num_free == 0:
+                    break
+                data = read(i)
+                if data is None:
+                    break
+                (block,) = self.pool.allocate(1)
+                self.pool.write_block(block, data[0].to(self.pool.device), data[1].to(self.pool.device))
+                blocks.append(block)
+            if not blocks:
+                return 0
+            # The path's existing nodes, then the new blocks: the cache takes its own references.
+            path = self.cache.match(tokens, have * self.block_size, touch=False)
+            full = [nd.block for nd in path] + blocks
+            if any(b is None for b in full):
+                self.pool.decref(blocks)  # an ancestor is not on the device: the tree cannot take these
+                return 0
+            self.cache.insert(tokens, full, len(full))  # type: ignore[arg-type]
+            self.pool.decref(blocks)
+            return len(blocks)
+
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the prefix cache holds on the device (what a prefill skips)."""
         if self.cache is None:

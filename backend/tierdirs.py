@@ -13,7 +13,9 @@ The kernel drops that lock when the process ends, however it ends, which gives t
 - the owner removes its files on close and, failing that, at interpreter exit (``atexit``); at
   most one directory per configuration can outlive a crash, and only until the next start;
 - only kvbaton's own files (``<int>.safetensors``, ``owner.lock``) are ever
-  deleted, so an explicit path that holds anything else is left with it.
+  deleted, so an explicit path that holds anything else is left with it. That includes ``state/``,
+  the persisted handles of an engine with persistence on (:mod:`.persist`), which must outlive
+  every exit; the directory itself then stays too.
 
 Claims, releases and collections under one root run under ``<root>/.lock``, so a directory being
 claimed is never collected half-made. Anything that cannot be created or written is an

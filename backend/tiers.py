@@ -38,7 +38,7 @@ class TierDataError(Exception):
     """A tier could not return a block intact."""
 
 
-def _checksum(k: torch.Tensor, v: torch.Tensor) -> int:
+def checksum(k: torch.Tensor, v: torch.Tensor) -> int:
     crc = zlib.crc32(k.contiguous().view(torch.uint8).numpy())
     return zlib.crc32(v.contiguous().view(torch.uint8).numpy(), crc)
 
@@ -89,7 +89,7 @@ class HostTier(Tier):
         k, v = k.to("cpu", copy=True), v.to("cpu", copy=True)
         if self._pin:
             k, v = k.pin_memory(), v.pin_memory()
-        self._blocks[key] = (k, v, _checksum(k, v))
+        self._blocks[key] = (k, v, checksum(k, v))
         self.bytes_written += 2 * k.nbytes
 
     def get(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +97,7 @@ class HostTier(Tier):
             k, v, crc = self._blocks[key]
         except KeyError:
             raise TierDataError(f"block {key} is not in the host tier") from None
-        if _checksum(k, v) != crc:
+        if checksum(k, v) != crc:
             raise TierDataError(f"block {key} in the host tier is corrupted")
         self.bytes_read += 2 * k.nbytes
         return k, v
@@ -137,7 +137,7 @@ class DiskTier(Tier):
             with contextlib.suppress(OSError):  # a partial file of a full disk, if any
                 self.path(key).unlink(missing_ok=True)
             raise
-        self._crc[key] = _checksum(k, v)
+        self._crc[key] = checksum(k, v)
         self.bytes_written += 2 * k.nbytes
 
     def get(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +149,7 @@ class DiskTier(Tier):
             k, v = data["k"], data["v"]
         except Exception as exc:  # missing file, truncated or garbled header
             raise TierDataError(f"block {key} could not be read from {self.path(key)}: {exc}") from exc
-        if _checksum(k, v) != crc:
+        if checksum(k, v) != crc:
             raise TierDataError(f"block {key} in {self.path(key)} is corrupted")
         self.bytes_read += 2 * k.nbytes
         return k, v

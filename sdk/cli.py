@@ -101,6 +101,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--tier", action="append", default=None, metavar="KIND:SIZE", dest="tiers",
                        help='slow tier below the device, e.g. "host:8GiB" or "disk:32GiB" (repeatable, in order)')
     cache.add_argument("--lookahead", type=int, default=2, help="prefetch agents due within this many steps (default 2)")
+    # Persistence (docs/server.md#persistence): handles survive restarts in the first disk tier's directory.
+    cache.add_argument("--persist", action="store_true",
+                       help="keep live handles across restarts and crashes (needs a --tier disk:SIZE[:PATH]; single "
+                       "device): the same tenants get the same handle ids back, their K/V loaded from checksummed "
+                       "blocks or recomputed from lineage")
     reuse = parser.add_argument_group("cross-prefix reuse (docs/server.md#reuse-across-prefixes)")
     reuse.add_argument("--reuse", default="exact", choices=["exact", "auto", "rotate"],
                        help="reuse policy of requests that name none (kvbaton.reuse, reuse, X-Kvbaton-Reuse): exact "
@@ -164,6 +169,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.persist and (args.engine == "sglang" or args.rank > 0):
+        print("kvbaton serve: error: --persist needs kvbaton's own engine on the serving process", file=sys.stderr)
+        return 2
     if args.engine == "sglang":
         if chat_template is not None:
             print("kvbaton serve: error: --chat-template is not supported with --engine sglang", file=sys.stderr)
@@ -193,6 +201,8 @@ def _serve(args: argparse.Namespace) -> int:
         cluster_options = {"devices": devices or [args.device], "world_size": world,
                            "bandwidth_cap": args.bandwidth_cap, "balance_slack": args.balance_slack}
     engine_options = {**engine_options, "device": (devices or [args.device])[0]}
+    if args.persist:
+        engine_options["persist"] = True
     from kvbaton.backend.server import serve
 
     try:

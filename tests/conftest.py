@@ -57,7 +57,7 @@ def dense_greedy(model, tokens: list[int], n: int) -> tuple[list[int], torch.Ten
 
 MODEL_FIXTURES = {"engine", "reference", "corpus_tokens"}
 SERVER_FIXTURES = {"server", "secure_server", "server_processes", "cluster"}
-SERVER_MODULES = ("test_server_", "test_multidevice")
+SERVER_MODULES = ("test_server_", "test_multidevice", "test_bench_soak")
 SERVER_PARAMS = {"http", "async-http", "cluster"}
 
 

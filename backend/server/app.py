@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from kvbaton import serverconf as conf
 from kvbaton.capabilities import Capabilities
+from kvbaton.errors import InvalidRequest
 from kvbaton.ops import EngineOps
 from kvbaton.types import Reuse
 
@@ -92,12 +93,14 @@ def create_app(
     seconds (0: never) on ``kvbaton.stats``.
     """
     engine = engine_of(target)
-    tenants = tenant_map(token)
+    persistence = getattr(engine, "persistence", None)  # an Engine(persist=True): ids and handles survive restarts
+    tenants = tenant_map(token, persistence.salt if persistence is not None else None)
     state = ServerState(
         engine, tenants=tenants, max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n,
         max_agents=max_agents, threads=threads, fallback_max_tokens=DEFAULT_MAX_TOKENS,
         max_handles_per_tenant=max_handles_per_tenant, max_kv_bytes_per_tenant=max_kv_bytes_per_tenant,
         handle_ttl=handle_ttl, reuse=reuse, shared_spans=shared_spans, served_model_names=served_model_names,
+        journal=persistence.journal if persistence is not None else None,
     )
     throughput = Throughput(engine.stats)
 
@@ -202,7 +205,10 @@ def serve(
     if cluster_options:
         from ..cluster import Cluster
 
-        options = {k: v for k, v in (engine_options or {}).items() if k != "device"}
+        options = {k: v for k, v in (engine_options or {}).items() if k not in ("device", "persist")}
+        if (engine_options or {}).get("persist"):
+            raise InvalidRequest("persistence (--persist) needs a single-device server: a cluster's handles live "
+                                 "in its workers")
         workers = len(cluster_options.get("devices") or ())
         with _progress(f"starting {workers} worker(s) for {model or 'the default model'}"):
             engine: Any = Cluster(model=model, engine_options=options, **cluster_options)

@@ -431,6 +431,7 @@ class ChatServing(OpenAIServing):
         if plan.keep:
             return list(handles)
         old = state.slots.slot(plan.key).replace(handles[0], exact=results[0].exact)
+        state.retained(plan.key, handles[0])
         state.release_quietly([*handles[1:], old if old != handles[0] else None])
         state.release_quietly([evicted.handle_id for evicted in state.slots.overflow(plan.tenant)])
         return [handles[0]] + [None] * (len(handles) - 1)

@@ -9,7 +9,9 @@ before the engine runs it; every operation naming a handle restarts its idle tim
 and ``sweep`` releases handles idle longer than the TTL; the engine gets every tenant's hints at
 once, and a tenant's stats show only its own agents; on a multi-tenant server a request's
 cross-prefix reuse places only its own tenant's spans (unless shared explicitly), and where the engine
-cannot scope them every request runs ``"exact"``.
+cannot scope them every request runs ``"exact"``. With a persistent engine (``Engine(persist=True)``),
+``record``, ``retained`` and every release also go to its handle journal (:mod:`..persist`), durably
+before the answer, and the journal's handles are their tenants' (and their slots') again at start.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 from kvbaton.client import sampling_params
-from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest
+from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest, ServerUnavailable
 from kvbaton.handle import Handle
 from kvbaton.ops import EngineOps, check_reuse, ste_map
 from kvbaton.types import Event, Events, Reuse, SamplingParams, Stats
@@ -31,7 +33,8 @@ from kvbaton.types import Event, Events, Reuse, SamplingParams, Stats
 from .. import protocol as p
 from ..block_pool import blocks_for_budget
 from .metrics import Metrics
-from .tenancy import SINGLE_TENANT, Admission, AgentNames, AgentSlots, Owners, Quota
+from ..persist import Journal
+from .tenancy import SINGLE_TENANT, Admission, AgentNames, AgentSlots, Owners, Quota, SlotKey
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ class ServerState:
         reuse: Reuse | None = None,
         shared_spans: bool = False,
         served_model_names: Sequence[str] | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.engine = engine
         self.tenants = tenants
@@ -97,6 +101,13 @@ class ServerState:
             bytes_per_token=first.bytes_per_block / first.block_size,
         ))
         self.slots = AgentSlots(max_agents)
+        # A persistent engine's handles of an earlier run: their tenants own them again.
+        self.journal = journal
+        for entry in journal.live() if journal is not None else ():
+            tenant = entry.owner or SINGLE_TENANT
+            self.owners.add(tenant, [(entry.handle.id, entry.handle.num_tokens)])
+            if entry.slot is not None:
+                self.slots.slot((tenant, entry.session, entry.slot)).replace(entry.handle.id)
         self.metrics = Metrics(engine.stats, engine.events, self._tenant_and_agent)
         self._hints_lock = threading.Lock()
         self._hints: dict[str, dict[str, float]] = {}  # tenant -> {engine agent name: steps}
@@ -148,7 +159,25 @@ class ServerState:
         self.owners.use(tenant, [ref_id(r) for r in refs if r is not None], check=self.multi_tenant)
 
     def record(self, tenant: str, handles: Iterable[Handle]) -> None:
+        handles = list(handles)
         self.owners.add(tenant, [(h.id, h.num_tokens) for h in handles])
+        if self.journal is not None:  # durable before the client hears of the handles
+            try:
+                self.journal.add(tenant, handles)
+            except OSError as exc:  # a full disk: refuse, rather than hand out handles a restart would lose
+                self.release_quietly([h.id for h in handles])
+                raise ServerUnavailable(
+                    f"the handle journal cannot be written ({exc.strerror or exc}): the request's handles were "
+                    "released; retry later"
+                ) from exc
+
+    def retained(self, key: SlotKey, handle_id: str) -> None:
+        """The agent's slot ``key`` now retains ``handle_id`` (journaled: the slot holds it again after a restart)."""
+        if self.journal is not None:
+            try:
+                self.journal.retain(handle_id, agent=key[2], session=key[1])
+            except OSError as exc:  # the handle itself is journaled: after a restart it is owned, just not retained
+                log.error("could not journal the slot of handle %s: %s", handle_id, exc)
 
     def admit(self, tenant: str, handles: int = 1, tokens: int = 0) -> Admission:
         """Admit a request making up to ``handles`` handles (``tokens`` in all, when known) within the
@@ -167,6 +196,8 @@ class ServerState:
         self.check_owned(tenant, refs)
         self.engine.release(list(refs))
         ids = {ref_id(r) for r in refs}
+        if self.journal is not None:
+            self.journal.release(ids)
         self.owners.released(ids)
         self.slots.forget(ids)
 
@@ -179,6 +210,8 @@ class ServerState:
                 self.engine.release(hid)
             except (HandleNotFound, HandleReleased):
                 pass
+            if self.journal is not None:
+                self.journal.release([hid])
             self.owners.released([hid])
 
     def sweep(self) -> list[str]:

@@ -46,16 +46,17 @@ def tenant_id(token: str, salt: bytes | None = None) -> str:
     return "t-" + digest[:16]
 
 
-def tenant_map(token: str | Sequence[str] | Mapping[str, str] | None) -> dict[str, str]:
-    """``{token: tenant}`` of one token, several, or a given map; empty: no authentication."""
+def tenant_map(token: str | Sequence[str] | Mapping[str, str] | None, salt: bytes | None = None) -> dict[str, str]:
+    """``{token: tenant}`` of one token, several, or a given map; empty: no authentication. ``salt``:
+    the secret of the tenant ids (a persistent server's own, so ids survive a restart; default per process)."""
     if not token:
         return {}
     if isinstance(token, str):
-        tokens: dict[str, str] = {token: tenant_id(token)}
+        tokens: dict[str, str] = {token: tenant_id(token, salt)}
     elif isinstance(token, Mapping):
         tokens = {str(k): str(v) for k, v in token.items()}
     else:
-        tokens = {t: tenant_id(t) for t in token}
+        tokens = {t: tenant_id(t, salt) for t in token}
     if any(not t or t != t.strip() or any(c.isspace() for c in t) for t in tokens):
         raise InvalidRequest("tokens must be non-empty and contain no whitespace")
     if any(not name or "/" in name for name in tokens.values()):

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "workflow": ("kvbaton.bench.workflow", "10-agent cyclic workflow: no reuse / LRU / LRU+tier / STE+prefetch"),
     "scaling": ("kvbaton.bench.scaling", "k = 1..16 agents on one shared context: text replay vs forked handles"),
     "branching": ("kvbaton.bench.branching", "peak KV vs branch factor of a tree search: copies vs forks"),
+    "soak": ("kvbaton.bench.soak", "64 clients, dropped streams, a full tier, a worker kill, a restart: leaks must be 0"),
 }
 
 

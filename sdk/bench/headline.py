@@ -240,10 +240,28 @@ def _agents(rec: Record) -> tuple[str, list[Target]]:
     return "; ".join(parts), _agents_targets(rec)
 
 
+def _soak(rec: Record) -> tuple[str, list[Target]]:
+    rows = rec["rows"]
+    requests = sum(sum(r["requests"].values()) for r in rows)
+    errors = sum(sum(r["errors"].values()) for r in rows)
+    leaked = sum(r["leaked_handles"] + r["leaked_blocks"] for r in rows)
+    server_errors = sum(n for r in rows for cls, n in r["errors"].items() if cls.startswith("500"))
+    persistent = [r for r in rows if r["phase"] == "persistent"]
+    kept = sum(r["handles_kept"] for r in persistent)
+    back = sum(r["handles_recovered"] for r in persistent)
+    text = (f"{requests} requests, {errors} errors; after release_all {leaked} handles and blocks left; "
+            f"{back} of {kept} kept handles recovered after the restart")
+    return text, [
+        Target("0 handles and 0 blocks left after release_all", str(leaked), leaked == 0),
+        Target("every kept handle recovered after the restart", f"{back} of {kept}", back == kept),
+        Target("no 500 answers", str(server_errors), server_errors == 0),
+    ]
+
+
 HEADLINES: dict[str, Callable[[Record], tuple[str, list[Target]]]] = {
     "ttft": _ttft, "scaling": _scaling, "transfer": _transfer, "branching": _branching, "serve": _serve,
     "engine": _engine, "adapter_overhead": _adapter_overhead, "workflow": _workflow, "correction": _correction,
-    "agents": _agents,
+    "agents": _agents, "soak": _soak,
 }
 
 

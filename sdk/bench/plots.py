@@ -308,6 +308,23 @@ def _generic(payload: dict[str, Any], fig: Figure) -> None:
         ax.legend()
 
 
+def _soak(payload: dict[str, Any], fig: Figure) -> None:
+    """Per phase: requests, errors, and what was left after release_all (which must be 0)."""
+    rows = payload["rows"]
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_title("soak: requests, errors, leaks after release_all (log scale)")
+    series = {"requests": [sum(r["requests"].values()) for r in rows],
+              "errors": [sum(r["errors"].values()) for r in rows],
+              "leaked handles": [r["leaked_handles"] for r in rows],
+              "leaked blocks": [r["leaked_blocks"] for r in rows]}
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([j + i * width for j in range(len(rows))], [v + 1 for v in values], width, label=f"{label} (+1)")
+    ax.set_yscale("log")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r["phase"] for r in rows])
+    ax.legend()
+
+
 PLOTTERS: dict[str, Callable[[dict[str, Any], Figure], None]] = {
     "ttft": _ttft,
     "scaling": _scaling,
@@ -319,6 +336,7 @@ PLOTTERS: dict[str, Callable[[dict[str, Any], Figure], None]] = {
     "transfer": _transfer,
     "correction": _correction,
     "agents": _agents,
+    "soak": _soak,
 }
 
 

@@ -53,6 +53,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "serve": ("kvbaton.bench.serve", "table"),
     "engine": ("kvbaton.bench.engine", "table"),
     "adapter_overhead": ("kvbaton.bench.adapter_overhead", "table"),
+    "soak": ("kvbaton.bench.soak", "table"),
 }
 # The README's headline benchmarks, in order; the first (agents: kvbaton vs vLLM-CPU on persona-first
 # agents) leads the block, above the TTFT table.
