@@ -188,7 +188,9 @@ def test_events_are_behind_the_token_and_scoped_to_the_tenant(secure_server) -> 
         assert [e["agent"] for e in mine["events"] if e["kind"] == "request"] == ["alice"]
         assert [e["agent"] for e in theirs["events"] if e["kind"] == "request"] == ["bob"]
         assert mine["events"][0]["tenant"] and mine["events"][0]["tenant"] != theirs["events"][0]["tenant"]
-        assert a.get("/v1/kv/events", params={"since": -1}).json()["error"]["code"] == "invalid_request"
+        for path in ("/v1/kv/events", "/v1/kv/events/stream"):  # bad input fails before any stream starts
+            bad = a.get(path, params={"since": -1})
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
         with a.stream("GET", "/v1/kv/events/stream", params={"since": since}) as stream:
             assert stream.headers["content-type"].startswith("text/event-stream")
             lines = stream.iter_lines()

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbaton.types import Result, Stats
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Scope
+
+from .middleware import AnsweredMiddleware
 
 access_log = logging.getLogger("kvbaton.access")
 stats_log = logging.getLogger("kvbaton.stats")
@@ -34,35 +36,19 @@ def note_tokens(scope: dict[str, Any] | None, result: Result) -> None:
     counts[1] += t.tokens_generated
 
 
-class AccessLogMiddleware:
+class AccessLogMiddleware(AnsweredMiddleware):
     """One INFO line per HTTP request when it ends: method, path, status, seconds, tokens."""
 
     def __init__(self, app: ASGIApp, requests: Callable[[], None]) -> None:
-        self.app = app
+        super().__init__(app)
         self.requests = requests  # counts every finished request, for the throughput line
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-        start = time.perf_counter()
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            self.requests()
-            if access_log.isEnabledFor(logging.INFO):
-                tokens = scope.get(TOKENS_KEY)
-                access_log.info("%s %s %d %.3fs%s", scope.get("method", ""), scope.get("path", ""), status,
-                                time.perf_counter() - start,
-                                f" prompt_tokens={tokens[0]} generated_tokens={tokens[1]}" if tokens else "")
+    def answered(self, scope: Scope, status: int, seconds: float) -> None:
+        self.requests()
+        if access_log.isEnabledFor(logging.INFO):
+            tokens = scope.get(TOKENS_KEY)
+            access_log.info("%s %s %d %.3fs%s", scope.get("method", ""), scope.get("path", ""), status, seconds,
+                            f" prompt_tokens={tokens[0]} generated_tokens={tokens[1]}" if tokens else "")
 
 
 @dataclass

@@ -53,12 +53,9 @@ class _HttpMiddleware:
         raise NotImplementedError
 
 
-class MetricsMiddleware(_HttpMiddleware):
-    """Counts every request by route template (not raw path: bounded label values) and status."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        super().__init__(app)
-        self.metrics = metrics
+class AnsweredMiddleware(_HttpMiddleware):
+    """Runs the request, then ``answered(scope, status, seconds)`` whatever happened (status 500 when
+    no answer was started): the one place that watches a request's status and duration."""
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         status = 500
@@ -73,10 +70,24 @@ class MetricsMiddleware(_HttpMiddleware):
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(endpoint, scope.get("method", ""), str(status)).inc()
-            self.metrics.duration.labels(endpoint).observe(time.perf_counter() - start)
+            self.answered(scope, status, time.perf_counter() - start)
+
+    def answered(self, scope: Scope, status: int, seconds: float) -> None:
+        raise NotImplementedError
+
+
+class MetricsMiddleware(AnsweredMiddleware):
+    """Counts every request by route template (not raw path: bounded label values) and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        super().__init__(app)
+        self.metrics = metrics
+
+    def answered(self, scope: Scope, status: int, seconds: float) -> None:
+        route = scope.get("route")
+        endpoint = getattr(route, "path", None) or "unmatched"
+        self.metrics.requests.labels(endpoint, scope.get("method", ""), str(status)).inc()
+        self.metrics.duration.labels(endpoint).observe(seconds)
 
 
 class AuthMiddleware(_HttpMiddleware):
