@@ -25,6 +25,7 @@ handles never come back; blocks no live handle needs are deleted at open and at 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -142,8 +143,13 @@ class Journal:
         if self._fd is None:
             raise RuntimeError("the handle journal is closed")
         end = os.lseek(self._fd, 0, os.SEEK_END)
+        data = b"".join(lines)
         try:
-            os.write(self._fd, b"".join(lines))  # one write: O_APPEND keeps it whole against other writers
+            # One write: O_APPEND keeps it whole against other writers. A nearly full disk takes part of it
+            # and says so only by the count: a short write is a failure, or the torn line would swallow
+            # the next append too (its record lost though its caller was told it is durable).
+            if os.write(self._fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write: the disk is full")
             os.fsync(self._fd)
         except OSError:
             with contextlib.suppress(OSError):  # a partial line of a full disk must not stay in the middle

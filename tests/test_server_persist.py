@@ -154,6 +154,26 @@ def _handle(hid: str, tokens: list[int]) -> Handle:
 
 
 @pytest.mark.unit
+def test_a_short_write_of_a_full_disk_is_a_failure_and_leaves_no_partial_line(tmp_path: Path, monkeypatch) -> None:
+    journal = Journal(tmp_path / "j", HEADER)
+    journal.add("t-a", [_handle("a1", [1, 2, 3])])
+    real_write = os.write
+
+    def full_disk(fd: int, data: bytes) -> int:  # what a nearly full disk does: takes part, says so by the count
+        return real_write(fd, data[: len(data) // 2])
+
+    monkeypatch.setattr("kvbaton.backend.persist.os.write", full_disk)
+    with pytest.raises(OSError):
+        journal.add("t-a", [_handle("a2", [4])])  # the caller is told: never "durable" when it is not
+    monkeypatch.setattr("kvbaton.backend.persist.os.write", real_write)
+    journal.add("t-a", [_handle("a3", [5])])  # space again: the next record is whole, not glued to a torn one
+    journal._fd and os.close(journal._fd)  # a kill: no close, no rewrite
+    again = Journal(tmp_path / "j", HEADER)
+    assert sorted(e.handle.id[:2] for e in again.live()) == ["a1", "a3"]
+    again.close()
+
+
+@pytest.mark.unit
 def test_journal_keeps_whole_lines_drops_a_torn_tail_and_other_models(tmp_path: Path) -> None:
     journal = Journal(tmp_path / "j", HEADER)
     journal.add("t-a", [_handle("a1", [1, 2, 3]), _handle("a2", [4])])

@@ -156,7 +156,7 @@ class StreamDriver:
             close_all(self.streams)
             if not self.handed_over:
                 made = [s.result.handle for s in self.streams if s.result is not None]
-                self.state.record(self.tenant, made)
+                self.state.record(self.tenant, made, durable=False)  # released next: nothing to journal
                 self.state.release_quietly([h.id for h in made])
         finally:
             self.admission.close()

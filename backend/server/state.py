@@ -158,10 +158,12 @@ class ServerState:
         handles count as used now (their idle time restarts)."""
         self.owners.use(tenant, [ref_id(r) for r in refs if r is not None], check=self.multi_tenant)
 
-    def record(self, tenant: str, handles: Iterable[Handle]) -> None:
+    def record(self, tenant: str, handles: Iterable[Handle], durable: bool = True) -> None:
+        """The tenant owns these handles; ``durable``: journaled too (persistence), before the client hears
+        of them. Handles released right after (a dropped stream's) need not be."""
         handles = list(handles)
         self.owners.add(tenant, [(h.id, h.num_tokens) for h in handles])
-        if self.journal is not None:  # durable before the client hears of the handles
+        if durable and self.journal is not None:  # durable before the client hears of the handles
             try:
                 self.journal.add(tenant, handles)
             except OSError as exc:  # a full disk: refuse, rather than hand out handles a restart would lose
