@@ -87,8 +87,11 @@ class Journal:
         self._live: dict[str, Entry] = {}
         self.dropped = 0  # entries of another model/dtype/block size dropped at open
         self._load()
-        self._rewrite()
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        try:
+            self._rewrite()
+        except OSError as exc:  # a full disk: the appended journal is valid as it is (rewritten at the next start)
+            log.error("handle journal %s could not be rewritten: %s", self.path, exc)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     def live(self) -> list[Entry]:
         with self._lock:
@@ -145,11 +148,7 @@ class Journal:
         end = os.lseek(self._fd, 0, os.SEEK_END)
         data = b"".join(lines)
         try:
-            # One write: O_APPEND keeps it whole against other writers. A nearly full disk takes part of it
-            # and says so only by the count: a short write is a failure, or the torn line would swallow
-            # the next append too (its record lost though its caller was told it is durable).
-            if os.write(self._fd, data) != len(data):
-                raise OSError(errno.ENOSPC, "short write: the disk is full")
+            _write_all(self._fd, data)
             os.fsync(self._fd)
         except OSError:
             with contextlib.suppress(OSError):  # a partial line of a full disk must not stay in the middle
@@ -327,14 +326,31 @@ def _parse(raw: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` or raise. A nearly full disk takes part of a write and says so only by the
+    count; the write after it raises ENOSPC. A short write taken for a whole one would leave a torn
+    journal line (swallowing the next record) or, renamed over the journal, cut off its tail."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "no space left: the write made no progress")
+        view = view[n:]
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` by ``data`` whole, or leave it as it was (a failed write never replaces it)."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, data)
+        _write_all(fd, data)
         os.fsync(fd)
-    finally:
+    except OSError:
         os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    os.close(fd)
     os.replace(tmp, path)
     dirfd = os.open(path.parent, os.O_RDONLY)
     try:

@@ -18,6 +18,7 @@ Specification:
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterator
@@ -153,21 +154,32 @@ def _handle(hid: str, tokens: list[int]) -> Handle:
                   placement=Placement(device="cpu"))
 
 
+def _full_disk(monkeypatch) -> None:
+    """What a nearly full disk does: the next write takes part of its data and says so only by the count;
+    the write after it fails with ENOSPC."""
+    real_write, calls = os.write, []
+
+    def write(fd: int, data: bytes) -> int:
+        calls.append(fd)
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("kvbaton.backend.persist.os.write", write)
+
+
 @pytest.mark.unit
-def test_a_short_write_of_a_full_disk_is_a_failure_and_leaves_no_partial_line(tmp_path: Path, monkeypatch) -> None:
+def test_a_full_disk_never_tears_the_journal_nor_cuts_it_when_rewritten(tmp_path: Path, monkeypatch) -> None:
     journal = Journal(tmp_path / "j", HEADER)
     journal.add("t-a", [_handle("a1", [1, 2, 3])])
-    real_write = os.write
-
-    def full_disk(fd: int, data: bytes) -> int:  # what a nearly full disk does: takes part, says so by the count
-        return real_write(fd, data[: len(data) // 2])
-
-    monkeypatch.setattr("kvbaton.backend.persist.os.write", full_disk)
-    with pytest.raises(OSError):
-        journal.add("t-a", [_handle("a2", [4])])  # the caller is told: never "durable" when it is not
-    monkeypatch.setattr("kvbaton.backend.persist.os.write", real_write)
+    with monkeypatch.context() as m:
+        _full_disk(m)
+        with pytest.raises(OSError):
+            journal.add("t-a", [_handle("a2", [4])])  # the caller is told: never "durable" when it is not
     journal.add("t-a", [_handle("a3", [5])])  # space again: the next record is whole, not glued to a torn one
-    journal._fd and os.close(journal._fd)  # a kill: no close, no rewrite
+    with monkeypatch.context() as m:
+        _full_disk(m)
+        journal.close()  # the rewrite at exit fails: it must not replace the journal by a cut-off copy
     again = Journal(tmp_path / "j", HEADER)
     assert sorted(e.handle.id[:2] for e in again.live()) == ["a1", "a3"]
     again.close()
