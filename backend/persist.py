@@ -11,7 +11,8 @@ directory (owned by its configuration, :mod:`.tierdirs`) holds a ``state/`` dire
   with ``O_APPEND`` and ``fsync``'d before the caller goes on, so a kill at any point leaves whole lines plus at most one torn last line, which its checksum
   rejects (and which is cut off on open). On open the journal is rewritten with its live handles
   only (temporary file, ``fsync``, ``rename``): it never grows beyond the live handles for long;
-- ``blocks/<key>.safetensors`` + ``blocks.json``: K/V blocks of live handles, saved at a clean exit.
+- ``blocks/<key>.safetensors`` + ``blocks.json``: K/V blocks of live handles, saved at a clean exit as
+  block files (:mod:`.blockfile`, the disk tier's format).
   A block's key hashes the block size and every token up to its end, so the same prefix is stored
   once whoever holds it; ``blocks.json`` (replaced atomically) holds each block's CRC-32, checked on
   every read. A block that is missing, unreadable or fails its checksum is recomputed, never used.
@@ -41,9 +42,9 @@ from typing import Any
 
 import torch
 from kvbaton.handle import Handle
-from safetensors.torch import load_file, save_file
 
-from .tiers import TierDataError, checksum
+from . import blockfile
+from .blockfile import BlockDataError
 
 log = logging.getLogger(__name__)
 
@@ -221,40 +222,26 @@ class BlockStore:
         return len(self._crc)
 
     def path(self, key: str) -> Path:
-        return self.dir / f"{key}.safetensors"
+        return self.dir / f"{key}{blockfile.SUFFIX}"
 
     def put(self, key: str, k: torch.Tensor, v: torch.Tensor) -> None:
-        k, v = k.to("cpu").contiguous(), v.to("cpu").contiguous()
-        tmp = self.path(key).with_suffix(".tmp")
-        try:
-            save_file({"k": k, "v": v}, str(tmp))
-            os.replace(tmp, self.path(key))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise
-        self._crc[key] = checksum(k, v)
+        self._crc[key] = blockfile.write(self.path(key), k, v)
 
     def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         crc = self._crc.get(key)
         if crc is None:
-            raise TierDataError(f"block {key} was not saved")
+            raise BlockDataError(f"block {key} was not saved")
         try:
-            data = load_file(str(self.path(key)))
-            k, v = data["k"], data["v"]
-        except Exception as exc:  # missing, truncated or garbled
-            self._crc.pop(key, None)
-            raise TierDataError(f"saved block {self.path(key)} could not be read: {exc}") from exc
-        if checksum(k, v) != crc:
+            return blockfile.read(self.path(key), crc)
+        except BlockDataError:
             self._crc.pop(key, None)  # told once; the block is deleted by the next keep_only
-            raise TierDataError(f"saved block {self.path(key)} is corrupted")
-        return k, v
+            raise
 
     def keep_only(self, keys: set[str]) -> None:
         """Delete every block not in ``keys`` (and any stray file), then write the index."""
         self._crc = {k: c for k, c in self._crc.items() if k in keys}
         for file in self.dir.iterdir():
-            if file.suffix != ".safetensors" or file.stem not in self._crc:
+            if file.suffix != blockfile.SUFFIX or file.stem not in self._crc:
                 with contextlib.suppress(OSError):
                     file.unlink()
         self.flush()

@@ -30,7 +30,8 @@ import torch
 
 from .block_pool import BlockPool
 from .eviction import EvictionPolicy
-from .tiers import Tier, TierDataError
+from .blockfile import BlockDataError
+from .tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -259,10 +260,10 @@ class RadixCache:
         return started
 
     def read(self, node: RadixNode) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fetch a loading node's data from its tier (no lock needed; may raise TierDataError)."""
+        """Fetch a loading node's data from its tier (no lock needed; may raise BlockDataError)."""
         tier = node.tier
         if tier is None:
-            raise TierDataError(f"node {node.id} is no longer in a slow tier")
+            raise BlockDataError(f"node {node.id} is no longer in a slow tier")
         return self.tiers[tier].get(node.id)
 
     def finish_load(self, node: RadixNode, data: tuple[torch.Tensor, torch.Tensor] | None) -> bool:

@@ -12,7 +12,7 @@ The kernel drops that lock when the process ends, however it ends, which gives t
   ``<dir>-2``, ...: two engines never share a directory;
 - the owner removes its files on close and, failing that, at interpreter exit (``atexit``); at
   most one directory per configuration can outlive a crash, and only until the next start;
-- only kvbaton's own files (``<int>.safetensors``, ``owner.lock``) are ever
+- only kvbaton's own files (``<int>.safetensors``, a write's ``<int>.safetensors.tmp``, ``owner.lock``) are ever
   deleted, so an explicit path that holds anything else is left with it. That includes ``state/``,
   the persisted handles of an engine with persistence on (:mod:`.persist`), which must outlive
   every exit; the directory itself then stays too.
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 LOCK_NAME = "owner.lock"
 MAX_SUFFIX = 1000  # live engines of one configuration on one machine, far beyond any real count
-_OWN_FILE = re.compile(r"^(\d+\.safetensors|\.probe-\d+)$")  # blocks and write probes
+_OWN_FILE = re.compile(r"^(\d+\.safetensors(\.tmp)?|\.probe-\d+)$")  # blocks (and a killed write\'s temporary), write probes
 _LEGACY_DIR = re.compile(r"^(\d+)-[0-9a-f]{12}$")  # <pid>-<uuid>: one per process, as earlier versions made
 
 _owned: set[TierDir] = set()  # released at interpreter exit if their engine never closed

@@ -3,9 +3,10 @@
 A tier stores whole blocks (all layers' K and V of ``block_size`` tokens) under an integer key.
 Blocks evicted from the device go to the first tier instead of being dropped; the radix cache
 decides what moves where (same priority order in every tier). A tier only stores and returns
-bytes, and it checks them: a corrupted or missing block raises :class:`TierDataError`, so the
+bytes, and it checks them: a corrupted or missing block raises :class:`.blockfile.BlockDataError`, so the
 engine recomputes those tokens instead of ever reading wrong K/V. A write may fail too (a full
-disk, a removed directory): it raises, leaves no file behind, and the cache drops that block.
+disk, a removed directory): it raises, leaves no file behind, and the cache drops that block. The
+disk tier's files are block files (:mod:`.blockfile`), the same format as persisted blocks.
 
 A tier is configured as ``"host:2GiB"``, ``"disk:8GiB"`` or ``"disk:8GiB:/path"``. :func:`claim_tiers`
 parses the specs and claims the disk tiers' directories (:mod:`.tierdirs`) before the model loads,
@@ -16,31 +17,21 @@ block size in bytes is known.
 from __future__ import annotations
 
 import abc
-import contextlib
 import logging
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from kvbaton.errors import InvalidRequest
-from safetensors.torch import load_file, save_file
 
+from . import blockfile
+from .blockfile import BlockDataError, checksum
 from .block_pool import blocks_for_budget
 from .loader import cache_dir
 from .tierdirs import TierDir, claim, default_dir
 
 log = logging.getLogger(__name__)
-
-
-class TierDataError(Exception):
-    """A tier could not return a block intact."""
-
-
-def checksum(k: torch.Tensor, v: torch.Tensor) -> int:
-    crc = zlib.crc32(k.contiguous().view(torch.uint8).numpy())
-    return zlib.crc32(v.contiguous().view(torch.uint8).numpy(), crc)
 
 
 class Tier(abc.ABC):
@@ -96,9 +87,9 @@ class HostTier(Tier):
         try:
             k, v, crc = self._blocks[key]
         except KeyError:
-            raise TierDataError(f"block {key} is not in the host tier") from None
+            raise BlockDataError(f"block {key} is not in the host tier") from None
         if checksum(k, v) != crc:
-            raise TierDataError(f"block {key} in the host tier is corrupted")
+            raise BlockDataError(f"block {key} in the host tier is corrupted")
         self.bytes_read += 2 * k.nbytes
         return k, v
 
@@ -113,7 +104,7 @@ class HostTier(Tier):
 
 
 class DiskTier(Tier):
-    """One safetensors file per block in a claimed tier directory, emptied on close."""
+    """One block file (:mod:`.blockfile`) per block in a claimed tier directory, emptied on close."""
 
     name = "disk"
 
@@ -127,30 +118,17 @@ class DiskTier(Tier):
         return self._dir.path
 
     def path(self, key: int) -> Path:
-        return self.dir / f"{key}.safetensors"
+        return self.dir / f"{key}{blockfile.SUFFIX}"
 
     def put(self, key: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        k, v = k.to("cpu").contiguous(), v.to("cpu").contiguous()
-        try:
-            save_file({"k": k, "v": v}, str(self.path(key)))
-        except BaseException:
-            with contextlib.suppress(OSError):  # a partial file of a full disk, if any
-                self.path(key).unlink(missing_ok=True)
-            raise
-        self._crc[key] = checksum(k, v)
+        self._crc[key] = blockfile.write(self.path(key), k, v)
         self.bytes_written += 2 * k.nbytes
 
     def get(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
         crc = self._crc.get(key)
         if crc is None:
-            raise TierDataError(f"block {key} is not in the disk tier")
-        try:
-            data = load_file(str(self.path(key)))
-            k, v = data["k"], data["v"]
-        except Exception as exc:  # missing file, truncated or garbled header
-            raise TierDataError(f"block {key} could not be read from {self.path(key)}: {exc}") from exc
-        if checksum(k, v) != crc:
-            raise TierDataError(f"block {key} in {self.path(key)} is corrupted")
+            raise BlockDataError(f"block {key} is not in the disk tier")
+        k, v = blockfile.read(self.path(key), crc)
         self.bytes_read += 2 * k.nbytes
         return k, v
 

@@ -34,12 +34,14 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         DEFAULT_HOST,
         DEFAULT_MAX_AGENTS,
         DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_MAX_HANDLE_TOKENS_PER_TENANT,
         DEFAULT_MAX_HANDLES_PER_TENANT,
         DEFAULT_MAX_N,
         DEFAULT_MAX_TOKENS,
         DEFAULT_PORT,
         DEFAULT_STATS_INTERVAL_S,
         DEFAULT_THREADS,
+        HOST_BYTES_PER_HANDLE_TOKEN,
     )
 
     net = parser.add_argument_group("network and security")
@@ -135,6 +137,14 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-kv-bytes-per-tenant", default=None, metavar="SIZE",
                      help='KV bytes one tenant\'s live handles may hold, counted as their tokens x bytes per '
                      'token, e.g. "2GiB" or "800 blocks", else 429 quota_exceeded (default: no limit)')
+    lim.add_argument("--max-handle-tokens-per-tenant", type=int, default=DEFAULT_MAX_HANDLE_TOKENS_PER_TENANT,
+                     metavar="TOKENS",
+                     help="tokens one tenant's live handles may hold, forks counted in full, else 429 "
+                     "quota_exceeded; each live handle keeps its token ids on the host (about "
+                     f"{HOST_BYTES_PER_HANDLE_TOKEN} bytes a token), so the default bounds them at about "
+                     f"{DEFAULT_MAX_HANDLE_TOKENS_PER_TENANT * HOST_BYTES_PER_HANDLE_TOKEN // 2**20} MiB a tenant; "
+                     "0: no limit "
+                     f"(default {DEFAULT_MAX_HANDLE_TOKENS_PER_TENANT})")
     lim.add_argument("--handle-ttl", type=float, default=None, metavar="SECONDS",
                      help="release handles no operation named for this long (default: never)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -235,7 +245,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _tenant_limits(args: argparse.Namespace) -> dict[str, Any]:
     """The per-tenant quotas and the idle-handle TTL of ``create_app``."""
     return {"max_handles_per_tenant": args.max_handles_per_tenant,
-            "max_kv_bytes_per_tenant": args.max_kv_bytes_per_tenant, "handle_ttl": args.handle_ttl}
+            "max_kv_bytes_per_tenant": args.max_kv_bytes_per_tenant,
+            "max_handle_tokens_per_tenant": args.max_handle_tokens_per_tenant, "handle_ttl": args.handle_ttl}
 
 
 def _serve_worker(args: argparse.Namespace, devices: list[str] | None, engine_options: dict[str, Any]) -> int:

@@ -19,6 +19,11 @@ DEFAULT_MAX_N = 8
 DEFAULT_MAX_AGENTS = 1024
 DEFAULT_THREADS = 64
 DEFAULT_MAX_HANDLES_PER_TENANT = 4096  # live handles of one tenant (0: no limit)
+# Tokens of one tenant's live handles, forks counted in full (0: no limit). Each live handle keeps its
+# token ids on the host, a list of 8-byte references per handle (forks share K/V blocks, not that
+# list), so this bounds one tenant's token lists at about 8 bytes x 8Mi tokens = 64 MiB of host memory.
+DEFAULT_MAX_HANDLE_TOKENS_PER_TENANT = 8 * 1024 * 1024
+HOST_BYTES_PER_HANDLE_TOKEN = 8  # a list slot: a reference to the (shared) token int
 MAX_JSON_DEPTH = 64  # deepest nesting of arrays/objects in a request body
 TOKEN_ENV = "KVBATON_TOKEN"
 API_KEY_ENV = "KVBATON_API_KEY"  # read when KVBATON_TOKEN is unset (vLLM's --api-key, by its kvbaton name)

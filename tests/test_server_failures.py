@@ -10,7 +10,7 @@ Specification:
   an unsalted hash of the token;
 - JSON nested deeper than the server's limit is a 400 naming the limit, and the connection stays usable;
 - a request that can never fit the pool is a 400 saying so, not "retry later";
-- per-tenant quotas on live handles and KV bytes answer 429 ``quota_exceeded``; idle handles expire
+- per-tenant quotas on live handles, KV bytes and handle tokens answer 429 ``quota_exceeded``; idle handles expire
   after ``--handle-ttl``;
 - a full pool never evicts another tenant's retained OpenAI handles.
 """
@@ -34,9 +34,12 @@ from server_fixtures import TOKEN_A, TOKEN_B, ServerProcess, running
 
 WAIT_S = 120.0  # how long a server may take to get somewhere (a busy 2-core machine), never a measured bound
 
-# Two tenants, a 16-block pool (256 tokens), small quotas: never-fits, quotas, slot eviction.
+# Two tenants, a 16-block pool (256 tokens), small quotas: never-fits, quotas, slot eviction. Handle
+# tokens and KV bytes count the same tokens: the handle-token quota (960) sits just under the KV one
+# (64 blocks, 1024 tokens), so that each can be the one a request passes.
 TIGHT = ["--kv-budget", "16 blocks", "--block-size", "16", "--token", TOKEN_A, "--token", TOKEN_B,
-         "--max-handles-per-tenant", "40", "--max-kv-bytes-per-tenant", "64 blocks", "--default-max-tokens", "2"]
+         "--max-handles-per-tenant", "40", "--max-kv-bytes-per-tenant", "64 blocks",
+         "--max-handle-tokens-per-tenant", "960", "--default-max-tokens", "2"]
 TTL = ["--kv-budget", "32MiB", "--handle-ttl", "1"]
 CLUSTER = ["--devices", "cpu,cpu", "--kv-budget", "48MiB"]
 
@@ -285,6 +288,20 @@ def test_kv_bytes_quota_per_tenant(tight):
         release_all(tight, TOKEN_A)
 
 
+def test_handle_token_quota_per_tenant(tight):
+    with kvbaton.connect(tight.url, token=TOKEN_A) as a, kvbaton.connect(tight.url, token=TOKEN_B) as b:
+        release_all(tight, TOKEN_A)
+        live = a.stats().handles_live
+        h = a.materialize(list(range(1000, 1100)))  # 100 tokens
+        a.fork(h, 8)  # 900 tokens of the tenant's 960
+        with pytest.raises(QuotaExceeded) as refused:
+            a.fork(h, 1)  # 1000: under the KV quota (1024), over the handle-token one
+        assert "handle-token quota of 960 tokens" in str(refused.value) and "1000 tokens" in str(refused.value)
+        assert a.stats().handles_live == live + 9  # the refused fork made nothing
+        b.release(b.fork(b.materialize(list(range(1000, 1100))), 8))  # another tenant's tokens are its own
+        release_all(tight, TOKEN_A)
+
+
 def test_idle_handles_expire_after_the_ttl(extra_servers):
     ttl = extra_servers["ttl"]
     ttl.wait_healthy()
@@ -306,6 +323,21 @@ def test_owners_pick_handles_idle_longer_than_the_ttl():
     now[0] = 110.0
     assert owners.idle(ttl=7.0) == ["old"]
     assert sorted(owners.idle(ttl=1.0)) == ["old", "used"]
+
+
+@pytest.mark.unit
+def test_the_handle_token_quota_counts_live_and_pending_tokens():
+    from kvbaton.backend.server.tenancy import Owners, Quota
+
+    owners = Owners(Quota(max_handle_tokens=100))
+    owners.add("t", [("h", 40)])
+    with owners.admit("t", handles=1, tokens=40):  # a fork in flight: 80 of 100
+        with pytest.raises(QuotaExceeded, match="to 120 tokens .* quota of 100 tokens"):
+            owners.admit("t", handles=1, tokens=40)
+        owners.admit("u", handles=1, tokens=100).close()  # other tenants are not counted
+    owners.admit("t", handles=1, tokens=60).close()  # the first admission settled: 100 of 100 fits
+    owners.released(["h"])
+    owners.admit("t", handles=1, tokens=100).close()
 
 
 # -- 7. retained OpenAI handles and other tenants ------------------------------------------------------

@@ -68,6 +68,7 @@ def create_app(
     threads: int = conf.DEFAULT_THREADS,
     max_handles_per_tenant: int | None = conf.DEFAULT_MAX_HANDLES_PER_TENANT,
     max_kv_bytes_per_tenant: int | str | None = None,
+    max_handle_tokens_per_tenant: int | None = conf.DEFAULT_MAX_HANDLE_TOKENS_PER_TENANT,
     handle_ttl: float | None = None,
     reuse: Reuse | None = None,
     shared_spans: bool = False,
@@ -81,8 +82,10 @@ def create_app(
     ``None`` (or empty) serves without authentication, everything in one tenant.
     ``max_tokens`` caps ``max_tokens`` of every request (default: the model's context);
     ``default_max_tokens`` applies to requests that give none (every route).
-    ``max_handles_per_tenant`` (0/None: no limit) and ``max_kv_bytes_per_tenant`` (bytes, ``"2GiB"``
-    or ``"N blocks"``; None: no limit) are each tenant's quotas (429 ``quota_exceeded`` beyond);
+    ``max_handles_per_tenant`` (0/None: no limit), ``max_kv_bytes_per_tenant`` (bytes, ``"2GiB"``
+    or ``"N blocks"``; None: no limit) and ``max_handle_tokens_per_tenant`` (tokens of live handles,
+    forks counted in full, bounding their token lists' host memory; 0/None: no limit) are each
+    tenant's quotas (429 ``quota_exceeded`` beyond);
     ``handle_ttl`` (seconds; None: off) releases handles no operation named for that long.
     ``reuse`` is the reuse policy of requests that name none (None: the engine's own default,
     ``Engine(reuse=...)``, else ``"exact"``). With several tokens each tenant's requests reuse only
@@ -99,6 +102,7 @@ def create_app(
         engine, tenants=tenants, max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n,
         max_agents=max_agents, threads=threads, fallback_max_tokens=DEFAULT_MAX_TOKENS,
         max_handles_per_tenant=max_handles_per_tenant, max_kv_bytes_per_tenant=max_kv_bytes_per_tenant,
+        max_handle_tokens_per_tenant=max_handle_tokens_per_tenant,
         handle_ttl=handle_ttl, reuse=reuse, shared_spans=shared_spans, served_model_names=served_model_names,
         journal=persistence.journal if persistence is not None else None,
     )

@@ -65,6 +65,7 @@ class ServerState:
         fallback_max_tokens: int,
         max_handles_per_tenant: int | None = None,
         max_kv_bytes_per_tenant: int | str | None = None,
+        max_handle_tokens_per_tenant: int | None = None,
         handle_ttl: float | None = None,
         reuse: Reuse | None = None,
         shared_spans: bool = False,
@@ -99,6 +100,7 @@ class ServerState:
             max_kv_bytes=(blocks_for_budget(max_kv_bytes_per_tenant, first.bytes_per_block) * first.bytes_per_block
                           if max_kv_bytes_per_tenant else None),
             bytes_per_token=first.bytes_per_block / first.block_size,
+            max_handle_tokens=max_handle_tokens_per_tenant or None,
         ))
         self.slots = AgentSlots(max_agents)
         # A persistent engine's handles of an earlier run: their tenants own them again.

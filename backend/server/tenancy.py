@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import Request
 from kvbaton.errors import HandleNotFound, InvalidRequest, QuotaExceeded
 from kvbaton.ops import check_reuse
+from kvbaton.serverconf import HOST_BYTES_PER_HANDLE_TOKEN
 from kvbaton.types import Reuse
 
 from ..protocol import MAX_AGENT_CHARS
@@ -123,13 +124,20 @@ class AgentNames:
 
 @dataclass(frozen=True)
 class Quota:
-    """What one tenant may hold: live handles, and KV bytes approximated as the tokens of its live
-    handles times ``bytes_per_token`` (forks sharing blocks count in full: a bound on what the
-    tenant could come to hold). None: no limit."""
+    """What one tenant may hold: live handles; KV bytes approximated as the tokens of its live
+    handles times ``bytes_per_token``; and the tokens of its live handles themselves, which bound
+    the host memory of their token lists (every handle, forks included, keeps its own list of
+    token ids on the host). Forks sharing blocks count in full: a bound on what the tenant could
+    come to hold. None: no limit.
+
+    Why a token quota rather than forks sharing their parent's token list (copy-on-write): the quota
+    bounds every handle's list, forks or not, at admission, without touching the engine's token
+    lists, which generation appends to in place."""
 
     max_handles: int | None = None
     max_kv_bytes: int | None = None
     bytes_per_token: float = 0.0
+    max_handle_tokens: int | None = None
 
 
 @dataclass
@@ -270,6 +278,15 @@ class Owners:
                         f"the tenant's handles hold about {int(held_bytes)} bytes of KV (tokens x bytes per token)"
                         f"{f' and this request would add {int(tokens * q.bytes_per_token)}' if tokens else ''}: "
                         f"over its KV quota of {q.max_kv_bytes} bytes; release handles first"
+                    )
+            if q.max_handle_tokens is not None:
+                total = held.tokens + held.pending_tokens + tokens
+                if total > q.max_handle_tokens:
+                    raise QuotaExceeded(
+                        f"this would take the tenant's live handles to {total} tokens (forks counted in full), "
+                        f"over its handle-token quota of {q.max_handle_tokens} tokens (about "
+                        f"{q.max_handle_tokens * HOST_BYTES_PER_HANDLE_TOKEN // 2**20} MiB of host memory): "
+                        "release handles first"
                     )
             held.pending_handles += handles
             held.pending_tokens += tokens

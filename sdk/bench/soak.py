@@ -349,6 +349,7 @@ def persistent_phase(clients: int, seconds: float, kv_budget: str, tier_mib: int
         # The tier's budget is twice the tmpfs: writes run into ENOSPC before the tier thinks it is full.
         args = ["--persist", "--tier", f"disk:{2 * tier_mib}MiB:{tier}", "--kv-budget", kv_budget,
                 "--max-tokens", "64", "--default-max-tokens", str(MAX_TOKENS), "--max-handles-per-tenant", "100000",
+                "--max-handle-tokens-per-tenant", "0",
                 *[a for t in TOKENS for a in ("--token", t)]]
         server = Server(args, token=TOKENS[0])
         try:
