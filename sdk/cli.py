@@ -116,6 +116,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     reuse.add_argument("--shared-spans", action="store_true",
                        help="with several tokens: let a tenant's requests reuse spans of other tenants' handles "
                        "(default: each tenant's own only; their prompts then shape each other's answers)")
+    reuse.add_argument("--shared-prefix-cache", action="store_true",
+                       help="with several tokens: let a tenant's requests reuse prefix-cache blocks other tenants' "
+                       "requests computed (default: each tenant's own only, so that no tenant can tell from its "
+                       "reuse or time to first token what another sent; the cost: a prefix several tenants send, "
+                       "such as a common system prompt, is prefilled and stored once per tenant)")
     lim = parser.add_argument_group("limits")
     lim.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help=f"largest request body, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
@@ -222,6 +227,7 @@ def _serve(args: argparse.Namespace) -> int:
             threads=args.threads,
             reuse=args.reuse,
             shared_spans=args.shared_spans,
+            shared_prefix_cache=args.shared_prefix_cache,
             served_model_names=args.served_model_name,
             stats_interval=args.stats_interval,
             **_tenant_limits(args),
