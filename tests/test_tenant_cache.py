@@ -126,16 +126,14 @@ def test_shared_prefix_cache_flag():
 
 
 def test_openai_route_agentless_and_tagged_requests_reuse_only_their_tenants_prefix(secure_server):
-    prompt = fresh_prompt()
-    body = {"model": "x", "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
-
     def cached(token: str, agent: str | None) -> tuple[int, str]:
         with secure_server.http(token) as http:
             r = http.post("/v1/completions", json=body, headers={"X-Kvbaton-Agent": agent} if agent else {})
             assert r.status_code == 200, r.text
             return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.json()["choices"][0]["text"]
 
-    for agent in (None, "reader"):  # agentless first: it leaves the prefix in tenant A's scope
+    for agent in (None, "reader"):
+        body = {"model": "x", "prompt": fresh_prompt(), "max_tokens": 4, "temperature": 0.0}
         a_first, a_text = cached(TOKEN_A, agent)
         a_again, _ = cached(TOKEN_A, agent)
         assert a_again > 0, "the same tenant reuses its own prefix"
