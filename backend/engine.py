@@ -147,7 +147,7 @@ class Engine:
         self.kv = KVManager(self.pool, self.cache, self._lock, live=self.handles.states)
         # The prefix-cache scope of a request's agent: one scope "" (everyone reuses everyone's
         # prefixes) unless ``isolate_prefix_cache`` keeps tenants apart (a multi-tenant server).
-        self.cache_scope: Callable[[str | None], str] = _one_cache_scope
+        self.cache_scope: Callable[[str | None], str | None] = _one_cache_scope
         self.kv.scope = lambda state: self.cache_scope(state.agent)
         self.prefetcher: Prefetcher | None = None
         if self.cache is not None and self.cache.tiers and prefetch:
@@ -448,7 +448,7 @@ class Engine:
         self.inputs.check_context(len(tokens))
         with self._lock:
             if self.cache is not None:  # in the agent's own scope: prefetch loads its path there
-                self.cache.register_agent(name, tokens, self.cache_scope(name))
+                self.cache.register_agent(name, tokens, self.cache_scope(name) or "")
         if prefill:
             self.release(self.materialize(tokens, agent=name))
         return AgentInfo(name=name, fixed_tokens=len(tokens))
@@ -492,7 +492,9 @@ class Engine:
 
         Isolated, a request of agent ``t/a`` (a multi-tenant server's name of tenant ``t``'s agent
         ``a``; ``t/`` for its agentless requests) reuses, waits on and loads back only prefix-cache
-        blocks that requests of tenant ``t`` put there; agents without a ``/`` share scope ``""``.
+        blocks that requests of tenant ``t`` put there; a request whose tenant is unknown (no agent,
+        or one without ``/``: engine-internal work, a handle moved in from another worker) neither
+        reads nor feeds the cache.
         Changing it drops the prefix cache (what it holds is in the old scopes, where no request would
         look) and puts a persistent engine's saved blocks back in their new scopes: call it before serving."""
         scope = tenant_cache_scope if isolate else _one_cache_scope
@@ -684,6 +686,7 @@ def _one_cache_scope(agent: str | None) -> str:
     return ""
 
 
-def tenant_cache_scope(agent: str | None) -> str:
-    """The prefix-cache scope of a multi-tenant server's engine agent name ``tenant/agent``: its tenant."""
-    return agent.split("/", 1)[0] if agent and "/" in agent else ""
+def tenant_cache_scope(agent: str | None) -> str | None:
+    """The prefix-cache scope of a multi-tenant server's engine agent name ``tenant/agent``: its tenant
+    (None, no prefix cache, when the name has no tenant part: whose the state is is unknown)."""
+    return agent.split("/", 1)[0] if agent and "/" in agent else None

@@ -45,7 +45,7 @@ class _AsNode:
 class Spiller:
     def __init__(
         self, pool: BlockPool, cache: RadixCache | None, live: Callable[[], Iterable[KVState]],
-        scope: Callable[[KVState], str] = lambda state: "",
+        scope: Callable[[KVState], str | None] = lambda state: "",
     ) -> None:
         self._pool = pool
         self._cache = cache
@@ -102,9 +102,9 @@ class Spiller:
         return self._cache.cached_blocks() if self._cache is not None else set()
 
     def _spill(self, state: KVState) -> None:
-        if self._cache is not None:
-            self._cache.insert(state.token_ids, state.blocks, state.num_cached // self._pool.block_size,
-                               self._scope(state))
+        scope = self._scope(state)
+        if self._cache is not None and scope is not None:  # None: a state that may not feed the cache
+            self._cache.insert(state.token_ids, state.blocks, state.num_cached // self._pool.block_size, scope)
         self._pool.decref(state.blocks)
         state.blocks = []
         state.num_cached = 0

@@ -92,6 +92,8 @@ def test_engine_isolates_tenants_prefixes_or_shares_them(engine):
     other = engine.complete(prompt, GREEDY, agent="tb/reader")  # another tenant: nothing of ta's
     assert (first.timings.tokens_reused, again.timings.tokens_reused, other.timings.tokens_reused) == (0, reusable, 0)
     assert first.token_ids == again.token_ids == other.token_ids  # exact either way
+    unknown = engine.complete(prompt, GREEDY)  # whose it is is unknown: it neither reads nor feeds the cache
+    assert unknown.timings.tokens_reused == 0 and engine.complete(prompt, GREEDY).timings.tokens_reused == 0
 
     engine.isolate_prefix_cache(False)  # shared (the default; the change drops the cache)
     first = engine.complete(prompt, GREEDY, agent="ta/")
@@ -107,6 +109,7 @@ def test_the_server_isolates_by_default_and_shares_on_request(engine):
 
     create_app(engine, token=["one", "two"])
     assert engine.cache_scope is tenant_cache_scope
+    assert tenant_cache_scope("t-1/") == "t-1" and tenant_cache_scope(None) is tenant_cache_scope("solo") is None
     create_app(engine, token=["one", "two"], shared_prefix_cache=True)
     assert engine.cache_scope("t-1/reader") == engine.cache_scope("t-2/") == ""
     create_app(engine, token=["one", "two"])
