@@ -181,6 +181,10 @@ def _serve(args: argparse.Namespace) -> int:
         if chat_template is not None:
             print("kvbaton serve: error: --chat-template is not supported with --engine sglang", file=sys.stderr)
             return 2
+        if len(set(tokens)) > 1 and not args.shared_prefix_cache:  # refused before loading the model
+            print("kvbaton serve: error: --engine sglang cannot keep tenants' prefix caches apart: serve one token, "
+                  "or share the prefix cache across tenants explicitly (--shared-prefix-cache)", file=sys.stderr)
+            return 2
         return _serve_sglang(args, tokens)
     engine_options = {
         "kv_budget": args.kv_budget,
@@ -297,7 +301,8 @@ def _serve_sglang(args: argparse.Namespace, tokens: list[str]) -> int:
         serve(args.host, args.port, model=args.model, token=tokens, log_level=args.log_level, engine_options=options,
               max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
               max_n=args.max_n, max_agents=args.max_agents, threads=args.threads,
-              served_model_names=args.served_model_name, stats_interval=args.stats_interval, **_tenant_limits(args))
+              served_model_names=args.served_model_name, stats_interval=args.stats_interval,
+              shared_prefix_cache=args.shared_prefix_cache, **_tenant_limits(args))
     except KvbatonError as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2

@@ -118,11 +118,14 @@ def test_the_server_isolates_by_default_and_shares_on_request(engine):
 
 
 @pytest.mark.unit
-def test_shared_prefix_cache_flag():
-    from kvbaton.cli import build_parser
+def test_shared_prefix_cache_flag(capsys):
+    from kvbaton.cli import build_parser, main
 
     assert not build_parser().parse_args(["serve"]).shared_prefix_cache
     assert build_parser().parse_args(["serve", "--shared-prefix-cache"]).shared_prefix_cache
+    # An engine that cannot keep tenants apart is refused, before loading anything, unless shared explicitly.
+    assert main(["serve", "--engine", "sglang", "--token", "a", "--token", "b"]) == 2
+    assert "--shared-prefix-cache" in capsys.readouterr().err
 
 
 # -- the two-tenant server ------------------------------------------------------------------------------
