@@ -495,6 +495,7 @@ class Engine:
         blocks that requests of tenant ``t`` put there; a request whose tenant is unknown (no agent,
         or one without ``/``: engine-internal work, a handle moved in from another worker) neither
         reads nor feeds the cache.
+
         Changing it drops the prefix cache (what it holds is in the old scopes, where no request would
         look) and puts a persistent engine's saved blocks back in their new scopes: call it before serving."""
         scope = tenant_cache_scope if isolate else _one_cache_scope
