@@ -560,6 +560,10 @@ class Cluster:
     def flush_cache(self) -> None:
         self._broadcast("flush_cache")
 
+    def isolate_prefix_cache(self, isolate: bool = True) -> None:
+        """Keep tenants' prefix caches apart on every worker (see :meth:`Engine.isolate_prefix_cache`)."""
+        self._broadcast("isolate_prefix_cache", isolate)
+
     def stats(self) -> Stats:
         per: dict[int, Stats] = {}
         for w in self.workers:

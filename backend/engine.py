@@ -145,6 +145,10 @@ class Engine:
         ))
         # The live handles are what a reservation may spill when the pool is full (spill.py).
         self.kv = KVManager(self.pool, self.cache, self._lock, live=self.handles.states)
+        # The prefix-cache scope of a request's agent: one scope "" (everyone reuses everyone's
+        # prefixes) unless ``isolate_prefix_cache`` keeps tenants apart (a multi-tenant server).
+        self.cache_scope: Callable[[str | None], str | None] = _one_cache_scope
+        self.kv.scope = lambda state: self.cache_scope(state.agent)
         self.prefetcher: Prefetcher | None = None
         if self.cache is not None and self.cache.tiers and prefetch:
             self.prefetcher = Prefetcher(self.kv, self._ste)
@@ -287,7 +291,7 @@ class Engine:
             if scope is not None:
                 # The agent's own earlier approximate turn: resume it rather than re-prefill its transcript.
                 own, n = self.spans.approximate_prefix(prompt, scope)
-                if own is not None and n >= max(keep, self.kv.cached_prefix(prompt)) + MIN_SPAN:
+                if own is not None and n >= max(keep, self.kv.cached_prefix(prompt, self.cache_scope(agent))) + MIN_SPAN:
                     parent, keep = own, n
             if parent is None:
                 state = self.kv.share(None, 0, prompt, LineageStep(op=Op.GENERATE, token_ids=tuple(prompt)))
@@ -443,8 +447,8 @@ class Engine:
         tokens = self.inputs.prompt_or_messages(fixed_prompt, "fixed_prompt")
         self.inputs.check_context(len(tokens))
         with self._lock:
-            if self.cache is not None:
-                self.cache.register_agent(name, tokens)
+            if self.cache is not None:  # in the agent's own scope: prefetch loads its path there
+                self.cache.register_agent(name, tokens, self.cache_scope(name) or "")
         if prefill:
             self.release(self.materialize(tokens, agent=name))
         return AgentInfo(name=name, fixed_tokens=len(tokens))
@@ -478,10 +482,33 @@ class Engine:
             if self.cache is not None:
                 self.cache.flush()
 
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading ``tokens`` the prefix cache holds on the device (what a prefill of
-        them would skip): lets a multi-device coordinator predict a recompute's real cost."""
-        return self.kv.cached_prefix(tokens)
+    def cached_prefix(self, tokens: Sequence[int], agent: str | None = None) -> int:
+        """How many leading ``tokens`` the prefix cache holds on the device for ``agent``'s requests
+        (what a prefill of them would skip): lets a multi-device coordinator predict a recompute's real cost."""
+        return self.kv.cached_prefix(tokens, self.cache_scope(agent))
+
+    def isolate_prefix_cache(self, isolate: bool = True) -> None:
+        """Keep tenants' prefix caches apart (``isolate``), or share one (the default).
+
+        Isolated, a request of agent ``t/a`` (a multi-tenant server's name of tenant ``t``'s agent
+        ``a``; ``t/`` for its agentless requests) reuses, waits on and loads back only prefix-cache
+        blocks that requests of tenant ``t`` put there; a request whose tenant is unknown (no agent,
+        or one without ``/``: engine-internal work, a handle moved in from another worker) neither
+        reads nor feeds the cache.
+
+        Changing it drops the prefix cache (what it holds is in the old scopes, where no request would
+        look) and puts a persistent engine's saved blocks back in their new scopes: call it before serving."""
+        scope = tenant_cache_scope if isolate else _one_cache_scope
+        if scope is self.cache_scope:
+            return
+        with self._lock:
+            self.cache_scope = scope
+            if self.cache is not None:
+                self.cache.flush()
+            restored = [s for hid, s in self.handles.items() if hid in self.kv.spiller.spilled]
+        if self.persistence is not None:
+            for state in restored:
+                self._place_saved(state)
 
     # -- moving state between engines (multi-device) ------------------------------------------------
     def transfer(self, handle: HandleLike, device: int | str) -> Handle:
@@ -573,27 +600,37 @@ class Engine:
                 log.warning("persisted handle %s is dropped: %s", handle.id, exc)
                 gone.append(handle.id)
                 continue
+            # A server journals its tenant as the owner: "tenant/" is that tenant's agentless request, so the
+            # handle's blocks go to (and are found in) its tenant's prefix-cache scope.
+            agent = entry.agent or (f"{entry.owner}/" if entry.owner else None)
             state = KVState(id=handle.id, token_ids=tokens, blocks=[], num_cached=0, lineage=handle.lineage,
-                            agent=entry.agent)
+                            agent=agent)
             with self._lock:
                 self.handles.add(handle.id, state)
                 self.kv.spiller.spilled.add(handle.id)
-            keys = block_keys(tokens, bs, len(tokens) // bs)
-            needed.update(keys)
-
-            def read(i: int, keys: list[str] = keys) -> tuple[torch.Tensor, torch.Tensor] | None:
-                if keys[i] not in store:
-                    return None  # never saved (a crash, a full disk): recomputed from the lineage
-                try:
-                    return store.get(keys[i])
-                except Exception as exc:  # noqa: BLE001 - missing or corrupted: recomputed, never used
-                    log.warning("%s; those tokens will be recomputed", exc)
-                    return None
-
-            self.kv.cache_blocks(tokens, len(keys), read)
+            needed.update(block_keys(tokens, bs, len(tokens) // bs))
+            self._place_saved(state)
         journal.release(gone)
         store.keep_only(needed)
         log.info("restored %d persisted handle(s)", len(journal.live()))
+
+    def _place_saved(self, state: KVState) -> None:
+        """Put the saved blocks of a restored (spilled) handle in the prefix cache, in its scope: its next
+        use attaches them there. A block never saved or unreadable stops it: the rest is recomputed."""
+        assert self.persistence is not None
+        store, bs = self.persistence.blocks, self.block_size
+        keys = block_keys(state.token_ids, bs, len(state.token_ids) // bs)
+
+        def read(i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            if keys[i] not in store:
+                return None  # never saved (a crash, a full disk): recomputed from the lineage
+            try:
+                return store.get(keys[i])
+            except Exception as exc:  # noqa: BLE001 - missing or corrupted: recomputed, never used
+                log.warning("%s; those tokens will be recomputed", exc)
+                return None
+
+        self.kv.cache_blocks(state.token_ids, len(keys), read, self.kv.scope(state))
 
     def _save(self) -> None:
         """Save the full blocks of every journaled live handle the store lacks; delete the others."""
@@ -643,3 +680,14 @@ class Engine:
         self.audit.close()
         self.composer.close()
         self.scheduler.close()
+
+
+def _one_cache_scope(agent: str | None) -> str:
+    """One prefix-cache scope for every request (an embedded engine, a single-tenant server)."""
+    return ""
+
+
+def tenant_cache_scope(agent: str | None) -> str | None:
+    """The prefix-cache scope of a multi-tenant server's engine agent name ``tenant/agent``: its tenant
+    (None, no prefix cache, when the name has no tenant part: whose the state is is unknown)."""
+    return agent.split("/", 1)[0] if agent and "/" in agent else None

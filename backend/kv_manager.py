@@ -12,6 +12,9 @@ Invariants:
   (refcount 1) first: ``reserve`` copies a shared, partly filled block before anyone writes it;
 - only exact K/V enter the prefix cache (``insert`` stops at ``state.exact_len``, and private
   measurement states never enter it);
+- a state reads and feeds the prefix cache only within its own scope (``scope(state)``, by default
+  the one scope ``""``; a multi-tenant server's: the state's tenant; None: it neither reads nor
+  feeds the cache, as a state whose tenant is unknown there): see :mod:`.radix`;
 - slow-tier I/O never runs under the engine lock: nodes are marked ``LOADING`` under the lock, read
   without it, installed under it again, and waiters on :attr:`loaded` are woken; a request that
   needs a loading block waits for it, the others run meanwhile.
@@ -71,7 +74,9 @@ class KVManager:
         self.lock = lock  # the engine lock: guards the pool, the cache and the states' block lists
         self.loaded = threading.Condition(lock)  # signalled when slow-tier blocks arrive
         self.counters = TierCounters()
-        self.spiller = Spiller(pool, cache, live)  # ``live``: the engine's live handle states
+        # The prefix-cache scope of a state (its tenant on a multi-tenant server); the engine sets it.
+        self.scope: Callable[[KVState], str | None] = lambda state: ""
+        self.spiller = Spiller(pool, cache, live, lambda state: self.scope(state))  # ``live``: the engine's live states
         self._pinned: Counter[int] = Counter()  # blocks read outside the lock (compose sources): never spilled
 
     # -- states --------------------------------------------------------------------------------
@@ -224,10 +229,11 @@ class KVManager:
         """Offer the state's full blocks to the prefix cache: only those whose K/V are exact."""
         with self.lock:
             self.spiller.touch(state)  # just computed: the last candidate to spill
-        if self.cache is not None and state.cacheable:
+        scope = self.scope(state)
+        if self.cache is not None and state.cacheable and scope is not None:
             exact = state.num_cached if state.exact_len is None else min(state.num_cached, state.exact_len)
             with self.lock:
-                self.cache.insert(state.token_ids, state.blocks, exact // self.block_size)
+                self.cache.insert(state.token_ids, state.blocks, exact // self.block_size, scope)
 
     def full_block(self, state: KVState, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A copy of the K/V of the state's ``i``-th full block: its own, else the prefix cache's (on
@@ -235,9 +241,10 @@ class KVManager:
         with self.lock:
             if (i + 1) * self.block_size <= state.num_cached:
                 return self.pool.read_block(state.blocks[i])
-            if self.cache is None:
+            scope = self.scope(state)
+            if self.cache is None or scope is None:
                 return None
-            path = self.cache.match(state.token_ids, (i + 1) * self.block_size, touch=False)
+            path = self.cache.match(state.token_ids, (i + 1) * self.block_size, touch=False, scope=scope)
             if len(path) <= i:
                 return None
             node = path[i]
@@ -252,15 +259,16 @@ class KVManager:
                 return None
 
     def cache_blocks(
-        self, tokens: Sequence[int], n: int, read: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None]
+        self, tokens: Sequence[int], n: int, read: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None],
+        scope: str | None = "",
     ) -> int:
-        """Put the first ``n`` full blocks of ``tokens`` in the prefix cache, block ``i``'s K/V from
+        """Put the first ``n`` full blocks of ``tokens`` in the prefix cache's ``scope``, block ``i``'s K/V from
         ``read(i)``, while the pool has free blocks and ``read`` has data (None: stop, the rest is
         recomputed when needed); blocks the cache holds already are kept. How many were read."""
-        if self.cache is None or n <= 0:
+        if self.cache is None or n <= 0 or scope is None:
             return 0
         with self.lock:
-            have = len(self.cache.match(tokens, n * self.block_size, touch=False))
+            have = len(self.cache.match(tokens, n * self.block_size, touch=False, scope=scope))
             blocks = []
             for i in range(have, n):
                 if self.pool.num_free == 0:
@@ -274,21 +282,21 @@ class KVManager:
             if not blocks:
                 return 0
             # The path's existing nodes, then the new blocks: the cache takes its own references.
-            path = self.cache.match(tokens, have * self.block_size, touch=False)
+            path = self.cache.match(tokens, have * self.block_size, touch=False, scope=scope)
             full = [nd.block for nd in path] + blocks
             if any(b is None for b in full):
                 self.pool.decref(blocks)  # an ancestor is not on the device: the tree cannot take these
                 return 0
-            self.cache.insert(tokens, full, len(full))  # type: ignore[arg-type]
+            self.cache.insert(tokens, full, len(full), scope)  # type: ignore[arg-type]
             self.pool.decref(blocks)
             return len(blocks)
 
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading ``tokens`` the prefix cache holds on the device (what a prefill skips)."""
-        if self.cache is None:
+    def cached_prefix(self, tokens: Sequence[int], scope: str | None = "") -> int:
+        """How many leading ``tokens`` the prefix cache's ``scope`` holds on the device (what a prefill skips)."""
+        if self.cache is None or scope is None:
             return 0
         with self.lock:
-            path = self.cache.match(list(tokens), len(tokens) - 1, touch=False)
+            path = self.cache.match(list(tokens), len(tokens) - 1, touch=False, scope=scope)
             return len(_on_device(path)) * self.block_size
 
     def attach(self, state: KVState, loads: Loads | None = None) -> None:
@@ -297,13 +305,13 @@ class KVManager:
         Blocks in a slow tier are loaded back first; blocks another request or prefetch is loading
         are waited for. A block that cannot be read back is forgotten and its tokens recomputed.
         """
-        cache = self.cache
-        if cache is None or state.num_tokens - 1 <= state.num_cached:
+        cache, scope = self.cache, self.scope(state)
+        if cache is None or scope is None or state.num_tokens - 1 <= state.num_cached:
             return
         stuck = False  # the last load-back could begin nothing (no room): take what is on the device
         while True:
             with self.lock:
-                path = cache.match(state.token_ids, state.num_tokens - 1)
+                path = cache.match(state.token_ids, state.num_tokens - 1, scope=scope)
                 if len(path) * self.block_size <= state.num_cached:
                     return
                 if any(n.state is NodeState.LOADING for n in path):  # another request or prefetch loads it

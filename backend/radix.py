@@ -13,6 +13,11 @@ recomputed when next needed), and the failure is counted in ``tier_errors``. Inv
 takes device leaves first and loading goes root to leaf. A node removed from the tree is
 ``dropped``, so code still holding an old path can tell.
 
+The tree has one root per *scope* (a multi-tenant server's tenant; ``""`` by default): a prefix is
+matched and inserted within one scope only, so one scope never reuses, waits on or loads back
+another's blocks (nor learns from its timing what another sent). The pool, the tiers, eviction and
+flush are shared by every scope.
+
 Which candidate goes first is the eviction policy's business (``eviction.py``); the tree only
 knows which nodes may go.
 """
@@ -72,10 +77,11 @@ class RadixCache:
         self.tier_policy = tier_policy or policy  # order inside the slow tiers (the same unless ablating)
         self.tiers = list(tiers)
         self.bs = pool.block_size
-        self.root = RadixNode(id=0, key=(), parent=None, depth=0)
+        self.root = RadixNode(id=0, key=(), parent=None, depth=0)  # scope "": the one scope by default
+        self._roots: dict[str, RadixNode] = {"": self.root}
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
-        self._agents: dict[str, list[int]] = {}
+        self._agents: dict[str, tuple[str, list[int]]] = {}  # name -> (scope, fixed tokens)
         self._in_tier: list[set[RadixNode]] = [set() for _ in self.tiers]
         self.device_nodes = 0
         self.bytes_offloaded = 0
@@ -85,12 +91,12 @@ class RadixCache:
         self.on_evict: Callable[[list[RadixNode], str], None] | None = None
 
     # -- agents -------------------------------------------------------------------------------
-    def register_agent(self, name: str, fixed_tokens: Sequence[int]) -> None:
-        """Tag the nodes of ``name``'s fixed prompt (now and as they are inserted later)."""
+    def register_agent(self, name: str, fixed_tokens: Sequence[int], scope: str = "") -> None:
+        """Tag the nodes of ``name``'s fixed prompt in ``scope`` (now and as they are inserted later)."""
         for node in self._walk_all():
             node.owners.discard(name)
-        self._agents[name] = list(fixed_tokens)
-        node = self.root
+        self._agents[name] = (scope, list(fixed_tokens))
+        node = self._root(scope)
         for key in self._keys(fixed_tokens, len(fixed_tokens) // self.bs):
             node = node.children.get(key)  # type: ignore[assignment]
             if node is None:
@@ -98,14 +104,19 @@ class RadixCache:
             node.owners.add(name)
 
     def fixed_path(self, name: str) -> list[RadixNode]:
-        tokens = self._agents.get(name, [])
-        return self.match(tokens, len(tokens), touch=False)
+        """The nodes of ``name``'s fixed prompt, in the scope it was registered in."""
+        scope, tokens = self._agents.get(name, ("", []))
+        return self.match(tokens, len(tokens), touch=False, scope=scope)
 
     # -- lookup and insertion -------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], max_tokens: int, touch: bool = True) -> list[RadixNode]:
-        """Nodes (any state) spelling the longest cached block-aligned prefix of ``tokens[:max_tokens]``."""
+    def match(
+        self, tokens: Sequence[int], max_tokens: int, touch: bool = True, scope: str = ""
+    ) -> list[RadixNode]:
+        """Nodes (any state) spelling the longest block-aligned prefix of ``tokens[:max_tokens]`` cached in ``scope``."""
         path: list[RadixNode] = []
-        node = self.root
+        node = self._roots.get(scope)
+        if node is None:
+            return path
         now = next(self._clock) if touch else 0
         for key in self._keys(tokens, max_tokens // self.bs):
             child = node.children.get(key)
@@ -117,20 +128,22 @@ class RadixCache:
             node = child
         return path
 
-    def insert(self, tokens: Sequence[int], blocks: list[int], num_full: int) -> None:
-        """Cache the first ``num_full`` blocks of a sequence whose K/V are in ``blocks``.
+    def insert(self, tokens: Sequence[int], blocks: list[int], num_full: int, scope: str = "") -> None:
+        """Cache the first ``num_full`` blocks of a sequence whose K/V are in ``blocks``, in ``scope``.
 
         Where the tree already holds a block for the same prefix, the sequence switches to the
         tree's copy (``blocks`` is updated in place, references moved), so identical prefixes are
-        stored once. A node waiting in a slow tier is revived from the sequence's block for free.
+        stored once (per scope). A node waiting in a slow tier is revived from the sequence's block for free.
         """
-        node = self.root
+        if num_full <= 0:
+            return
+        node = self._root(scope)
         now = next(self._clock)
         for i, key in enumerate(self._keys(tokens, num_full)):
             child = node.children.get(key)
             if child is None:
                 child = RadixNode(id=next(self._ids), key=key, parent=node, depth=node.depth + 1, block=blocks[i])
-                child.owners = self._owners_for(node, key, child.depth)
+                child.owners = self._owners_for(node, key, child.depth, scope)
                 node.children[key] = child
                 self.pool.incref([blocks[i]])
                 self.device_nodes += 1
@@ -175,7 +188,7 @@ class RadixCache:
             self._evict_one(node)
             evicted.append(node)
             freed += 1
-            if parent is not None and parent is not self.root and self.evictable(parent):
+            if parent is not None and parent.parent is not None and self.evictable(parent):  # not a root
                 if allowed is None or allowed(parent):
                     heapq.heappush(heap, (self.policy.priority(parent), parent.id, parent))
         if evicted and self.on_evict is not None:
@@ -289,9 +302,10 @@ class RadixCache:
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def flush(self) -> None:
-        """Drop every cached prefix that nothing else references (all tiers)."""
-        for child in list(self.root.children.values()):
-            self._drop_subtree(child)
+        """Drop every cached prefix that nothing else references (all tiers, every scope)."""
+        for root in self._roots.values():
+            for child in list(root.children.values()):
+                self._drop_subtree(child)
 
     def close(self) -> None:
         self.flush()
@@ -331,10 +345,12 @@ class RadixCache:
             self._in_tier[node.tier].discard(node)
             node.tier = None
 
-    def _owners_for(self, parent: RadixNode, key: tuple[int, ...], depth: int) -> set[str]:
+    def _owners_for(self, parent: RadixNode, key: tuple[int, ...], depth: int, scope: str) -> set[str]:
         owners = set()
-        for name, fixed in self._agents.items():
-            if (parent is self.root or name in parent.owners) and depth * self.bs <= len(fixed):
+        for name, (agent_scope, fixed) in self._agents.items():
+            if agent_scope != scope:
+                continue
+            if (parent.parent is None or name in parent.owners) and depth * self.bs <= len(fixed):
                 if tuple(fixed[(depth - 1) * self.bs : depth * self.bs]) == key:
                     owners.add(name)
         return owners
@@ -344,8 +360,15 @@ class RadixCache:
         for i in range(num_blocks):
             yield tuple(tokens[i * bs : (i + 1) * bs])
 
+    def _root(self, scope: str) -> RadixNode:
+        root = self._roots.get(scope)
+        if root is None:
+            root = self._roots[scope] = RadixNode(id=next(self._ids), key=(), parent=None, depth=0)
+        return root
+
     def _walk_all(self):  # type: ignore[no-untyped-def]
-        stack = list(self.root.children.values())
+        """Every node of every scope."""
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

@@ -43,9 +43,13 @@ class _AsNode:
 
 
 class Spiller:
-    def __init__(self, pool: BlockPool, cache: RadixCache | None, live: Callable[[], Iterable[KVState]]) -> None:
+    def __init__(
+        self, pool: BlockPool, cache: RadixCache | None, live: Callable[[], Iterable[KVState]],
+        scope: Callable[[KVState], str | None] = lambda state: "",
+    ) -> None:
         self._pool = pool
         self._cache = cache
+        self._scope = scope  # a state's prefix-cache scope: its spilled blocks stay in it
         self._policy: EvictionPolicy = cache.policy if cache is not None else LRU()
         self._live = live  # the engine's live handle states
         self._clock = itertools.count(1)
@@ -98,8 +102,9 @@ class Spiller:
         return self._cache.cached_blocks() if self._cache is not None else set()
 
     def _spill(self, state: KVState) -> None:
-        if self._cache is not None:
-            self._cache.insert(state.token_ids, state.blocks, state.num_cached // self._pool.block_size)
+        scope = self._scope(state)
+        if self._cache is not None and scope is not None:  # None: a state that may not feed the cache
+            self._cache.insert(state.token_ids, state.blocks, state.num_cached // self._pool.block_size, scope)
         self._pool.decref(state.blocks)
         state.blocks = []
         state.num_cached = 0

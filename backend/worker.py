@@ -49,7 +49,9 @@ RENDEZVOUS_TIMEOUT_S = 600.0
 # The methods the coordinator may call: the operators of the contract (kvbaton.ops), plus what a
 # cluster needs of an engine beyond them (metadata, adoption of moved handles, cache probes).
 STREAM_METHODS = STREAM_OPERATORS
-ENGINE_METHODS = (OPERATORS - STREAM_OPERATORS) | frozenset({"describe", "adopt", "flush_cache", "cached_prefix"})
+ENGINE_METHODS = (OPERATORS - STREAM_OPERATORS) | frozenset(
+    {"describe", "adopt", "flush_cache", "cached_prefix", "isolate_prefix_cache"}
+)
 
 
 def default_backend(devices: list[str]) -> str:

@@ -118,6 +118,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     reuse.add_argument("--shared-spans", action="store_true",
                        help="with several tokens: let a tenant's requests reuse spans of other tenants' handles "
                        "(default: each tenant's own only; their prompts then shape each other's answers)")
+    reuse.add_argument("--shared-prefix-cache", action="store_true",
+                       help="with several tokens: let a tenant's requests reuse prefix-cache blocks other tenants' "
+                       "requests computed (default: each tenant's own only, so that no tenant can tell from its "
+                       "reuse or time to first token what another sent; the cost: a prefix several tenants send, "
+                       "such as a common system prompt, is prefilled and stored once per tenant)")
     lim = parser.add_argument_group("limits")
     lim.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help=f"largest request body, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
@@ -186,6 +191,10 @@ def _serve(args: argparse.Namespace) -> int:
         if chat_template is not None:
             print("kvbaton serve: error: --chat-template is not supported with --engine sglang", file=sys.stderr)
             return 2
+        if len(set(tokens)) > 1 and not args.shared_prefix_cache:  # refused before loading the model
+            print("kvbaton serve: error: --engine sglang cannot keep tenants' prefix caches apart: serve one token, "
+                  "or share the prefix cache across tenants explicitly (--shared-prefix-cache)", file=sys.stderr)
+            return 2
         return _serve_sglang(args, tokens)
     engine_options = {
         "kv_budget": args.kv_budget,
@@ -232,6 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
             threads=args.threads,
             reuse=args.reuse,
             shared_spans=args.shared_spans,
+            shared_prefix_cache=args.shared_prefix_cache,
             served_model_names=args.served_model_name,
             stats_interval=args.stats_interval,
             **_tenant_limits(args),
@@ -302,7 +312,8 @@ def _serve_sglang(args: argparse.Namespace, tokens: list[str]) -> int:
         serve(args.host, args.port, model=args.model, token=tokens, log_level=args.log_level, engine_options=options,
               max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
               max_n=args.max_n, max_agents=args.max_agents, threads=args.threads,
-              served_model_names=args.served_model_name, stats_interval=args.stats_interval, **_tenant_limits(args))
+              served_model_names=args.served_model_name, stats_interval=args.stats_interval,
+              shared_prefix_cache=args.shared_prefix_cache, **_tenant_limits(args))
     except KvbatonError as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ import kvbaton
 import pytest
 from conftest import dense_greedy
 from kvbaton.backend.cluster import Cluster
+from kvbaton.bench.corpus import document
 from kvbaton.embedded import EmbeddedClient
 from kvbaton.errors import HandleReleased, InvalidRequest
 from kvbaton.handle import Op
@@ -202,6 +203,20 @@ def test_merge_of_handles_on_different_workers_colocates_them_first(client, clus
     out = client.resume(merged.handle, SUFFIX, sampling=GREEDY)
     assert out.token_ids == dense_greedy(reference, context + SUFFIX + SUFFIX, GREEDY.max_tokens)[0]
     client.release([base, longer, merged.handle, out.handle])
+
+
+def test_every_worker_keeps_tenants_prefix_caches_apart(client, cluster):
+    prompt = cluster.tokenize("Cluster tenancy notes. " + document(80, seed=5))
+    cluster.isolate_prefix_cache()  # what a server with several tokens does
+    try:
+        first = client.complete(prompt, GREEDY, agent="ta/")
+        again = client.complete(prompt, GREEDY, agent="ta/reader")  # routed by prefix: the same worker
+        other = client.complete(prompt, GREEDY, agent="tb/")
+    finally:
+        cluster.isolate_prefix_cache(False)
+    assert again.timings.tokens_reused > 0 and other.timings.tokens_reused == 0
+    assert first.token_ids == again.token_ids == other.token_ids
+    client.release([r.handle for r in (first, again, other)])
 
 
 def test_killed_worker_streams_finish_elsewhere_and_its_handles_are_recomputed(

@@ -67,4 +67,4 @@ def test_the_worker_whitelist_is_the_contract_plus_its_extras():
 
     assert STREAM_METHODS == STREAM_OPERATORS
     assert OPERATORS - STREAM_OPERATORS <= ENGINE_METHODS
-    assert ENGINE_METHODS - OPERATORS == {"describe", "adopt", "flush_cache", "cached_prefix"}
+    assert ENGINE_METHODS - OPERATORS == {"describe", "adopt", "flush_cache", "cached_prefix", "isolate_prefix_cache"}

@@ -232,13 +232,13 @@ def test_tenants_never_place_each_others_spans(servers, tenants):
     assert other["segments"] == [] and other["exact"] and other["timings"]["tokens_approximate"] == 0
     own = a.native(chat("You are the reviewer of tenant A."), agent="reviewer", reuse="rotate")
     assert own["segments"] and own["segments"][0]["source"] == reader["handle"]["id"]
-    # Agentless requests on a multi-tenant server: the engine cannot tell their tenant, so no spans.
-    anon = a.native(chat("You are nobody in particular."), reuse="rotate")
-    assert anon["segments"] == [] and anon["exact"]
+    # Agentless requests are their tenant's too (the engine names them "tenant/"): its own spans only.
+    anon = b.native(chat("You are nobody in particular."), reuse="rotate")
+    assert {s["source"] for s in anon["segments"]} <= {other["handle"]["id"]}
     # Tenant B's later requests place tenant B's own spans only, never tenant A's.
     r = b.openai(chat("You are the critic of tenant B."), agent="critic", kvbaton={"reuse": "rotate"})
     sources = {s["source"] for s in r.json()["kvbaton"]["segments"]}
-    assert sources <= {other["handle"]["id"]} and not sources & set(a.made)
+    assert sources <= {other["handle"]["id"], anon["handle"]["id"]} and not sources & set(a.made)
 
 
 # -- in process ---------------------------------------------------------------------------------------------
@@ -272,6 +272,10 @@ def test_cli_flags_and_span_scopes():
     names = AgentNames(multi_tenant=True)
     assert names.span_scope(names.engine_name("t-1", "a/b")) == "t-1"
     assert names.span_scope(None) is None and names.span_scope("solo") is None
+    # Agentless requests are their tenant's too: the engine can scope them; the tenant sees no agent.
+    assert names.engine_name("t-1", None) == "t-1/" and names.span_scope("t-1/") == "t-1"
+    assert names.own_name("t-1", "t-1/") == "" and names.own_name("t-2", "t-1/") is None
+    assert AgentNames(multi_tenant=False).engine_name("default", None) is None
     with pytest.raises(InvalidRequest, match="'/'"):
         tenant_map({"token": "team/a"})
 

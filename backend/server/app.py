@@ -72,6 +72,7 @@ def create_app(
     handle_ttl: float | None = None,
     reuse: Reuse | None = None,
     shared_spans: bool = False,
+    shared_prefix_cache: bool = False,
     served_model_names: Sequence[str] | None = None,
     stats_interval: float = conf.DEFAULT_STATS_INTERVAL_S,
 ) -> FastAPI:
@@ -90,7 +91,9 @@ def create_app(
     ``reuse`` is the reuse policy of requests that name none (None: the engine's own default,
     ``Engine(reuse=...)``, else ``"exact"``). With several tokens each tenant's requests reuse only
     their own tenant's spans across prefixes (the engine's ``span_scope``) unless ``shared_spans``;
-    an engine without ``span_scope`` (``Cluster``) then serves every request ``"exact"``.
+    an engine without ``span_scope`` (``Cluster``) then serves every request ``"exact"``. With several
+    tokens each tenant's requests also reuse only prefix-cache blocks its own requests computed (the
+    engine's ``isolate_prefix_cache``; an engine without it is refused) unless ``shared_prefix_cache``.
     ``served_model_names`` are the model's names in ``/v1/models`` and in answers (default: its own).
     Every request is logged at INFO on ``kvbaton.access``, and the throughput every ``stats_interval``
     seconds (0: never) on ``kvbaton.stats``.
@@ -103,7 +106,8 @@ def create_app(
         max_agents=max_agents, threads=threads, fallback_max_tokens=DEFAULT_MAX_TOKENS,
         max_handles_per_tenant=max_handles_per_tenant, max_kv_bytes_per_tenant=max_kv_bytes_per_tenant,
         max_handle_tokens_per_tenant=max_handle_tokens_per_tenant,
-        handle_ttl=handle_ttl, reuse=reuse, shared_spans=shared_spans, served_model_names=served_model_names,
+        handle_ttl=handle_ttl, reuse=reuse, shared_spans=shared_spans,
+        shared_prefix_cache=shared_prefix_cache, served_model_names=served_model_names,
         journal=persistence.journal if persistence is not None else None,
     )
     throughput = Throughput(engine.stats)

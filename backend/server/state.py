@@ -9,7 +9,8 @@ before the engine runs it; every operation naming a handle restarts its idle tim
 and ``sweep`` releases handles idle longer than the TTL; the engine gets every tenant's hints at
 once, and a tenant's stats show only its own agents; on a multi-tenant server a request's
 cross-prefix reuse places only its own tenant's spans (unless shared explicitly), and where the engine
-cannot scope them every request runs ``"exact"``. With a persistent engine (``Engine(persist=True)``),
+cannot scope them every request runs ``"exact"``; a request reuses only its own tenant's prefix-cache
+blocks (unless shared explicitly), and an engine that cannot keep them apart is refused. With a persistent engine (``Engine(persist=True)``),
 ``record``, ``retained`` and every release also go to its handle journal (:mod:`..persist`), durably
 before the answer, and the journal's handles are their tenants' (and their slots') again at start.
 """
@@ -69,6 +70,7 @@ class ServerState:
         handle_ttl: float | None = None,
         reuse: Reuse | None = None,
         shared_spans: bool = False,
+        shared_prefix_cache: bool = False,
         served_model_names: Sequence[str] | None = None,
         journal: Journal | None = None,
     ) -> None:
@@ -79,6 +81,7 @@ class ServerState:
         check_reuse(reuse)
         self.default_reuse: Reuse = reuse or getattr(engine, "reuse", None) or "exact"
         self.cross_prefix = self._scope_spans(shared_spans)
+        self._scope_prefix_cache(shared_prefix_cache)
         first = engine.stats()
         if served_model_names is not None and (not served_model_names or not all(served_model_names)):
             raise InvalidRequest("served model names must be non-empty")
@@ -133,9 +136,24 @@ class ServerState:
         self.engine.span_scope = self.names.span_scope
         return True
 
+    def _scope_prefix_cache(self, shared: bool) -> None:
+        """With several tenants, keep each tenant's prefix-cache blocks to itself (a tenant must not
+        learn from its reuse, or its time to first token, what another sent), unless ``shared``; an
+        engine that cannot is refused rather than silently shared. Set either way: the engine may
+        have served another app before."""
+        isolate = len(set(self.tenants.values())) > 1 and not shared  # one token: one tenant, nothing to keep apart
+        scope = getattr(self.engine, "isolate_prefix_cache", None)
+        if scope is not None:
+            scope(isolate)
+        elif isolate:
+            raise InvalidRequest(
+                f"this engine ({type(self.engine).__name__}) cannot keep tenants' prefix caches apart: serve one "
+                "token, or share the prefix cache across tenants explicitly (--shared-prefix-cache)"
+            )
+
     def _tenant_and_agent(self, engine_name: str) -> tuple[str, str]:
         """The (tenant id, the tenant's own agent name) of an engine agent name ("": none), for metric
-        labels; the engine cannot tell whose agentless requests are: tenant "unknown" with several tokens."""
+        labels; with several tokens, tenant "unknown" for a name without a tenant part (not a request's)."""
         if not self.multi_tenant:
             return SINGLE_TENANT, engine_name
         tenant = self.names.span_scope(engine_name)
@@ -258,8 +276,8 @@ class ServerState:
         return self._own_stats(tenant, stats) if self.multi_tenant else stats
 
     def _own_stats(self, tenant: str, stats: Stats) -> Stats:
-        def own(named: Mapping[str, Any]) -> dict[str, Any]:
-            return {mine: v for name, v in named.items() if (mine := self.names.own_name(tenant, name)) is not None}
+        def own(named: Mapping[str, Any]) -> dict[str, Any]:  # its agents ("": its agentless requests, no agent)
+            return {mine: v for name, v in named.items() if (mine := self.names.own_name(tenant, name))}
 
         update: dict[str, Any] = {"agents": own(stats.agents)}
         if stats.cache is not None:
@@ -286,27 +304,26 @@ class ServerState:
         mine: list[Event] = []
         for event in page.events:
             if event.kind == "evict":
-                ste = {own: v for a, v in event.steps_to_execution.items()
-                       if (own := self.names.own_name(tenant, a)) is not None}
+                ste = {own: v for a, v in event.steps_to_execution.items() if (own := self.names.own_name(tenant, a))}
                 # The pool is shared: every tenant sees evictions (as it sees the pool's counters in
                 # stats), but only its own agents' steps-to-execution.
                 mine.append(event.model_copy(update={"steps_to_execution": ste}))
             elif event.agent is None:
                 if event.handle_out in made:
                     mine.append(event.model_copy(update={"tenant": tenant}))
-            elif (own := self.names.own_name(tenant, event.agent)) is not None:
-                mine.append(event.model_copy(update={"agent": own, "tenant": tenant}))
+            elif (own := self.names.own_name(tenant, event.agent)) is not None:  # "": its agentless request
+                mine.append(event.model_copy(update={"agent": own or None, "tenant": tenant}))
         return page.model_copy(update={"events": mine})
 
     def hints(self, tenant: str, steps: Mapping[str, float], running: Sequence[str]) -> dict[str, float]:
         """Set the tenant's steps-to-execution; the engine gets every tenant's hints together."""
-        mine = {name: v for a, v in ste_map(steps, running).items() if (name := self.agent(tenant, a)) is not None}
+        mine = {name: v for a, v in ste_map(steps, running).items() if a and (name := self.agent(tenant, a)) is not None}
         with self._hints_lock:
             merged = {a: v for t, hs in self._hints.items() if t != tenant for a, v in hs.items()}
             merged.update(mine)
             result = self.engine.hints(merged)
             self._hints[tenant] = mine
-        return {own: v for a, v in result.items() if (own := self.names.own_name(tenant, a)) is not None}
+        return {own: v for a, v in result.items() if (own := self.names.own_name(tenant, a))}
 
     def sampling(self, fields: Mapping[str, Any]) -> SamplingParams:
         """Validated sampling parameters within the server's ``max_tokens`` cap."""

@@ -4,8 +4,9 @@ their agents retains.
 Each bearer token is a tenant (``tenant_map``); without tokens everything is one tenant. Invariants:
 a tenant sees only the handles it made (``Owners``: any other id is ``HandleNotFound``, exactly as an
 unknown one); tenants share the engine but not agent names (``AgentNames``: tenant ``t``'s agent
-``a`` is ``t/a`` in the engine), nor the spans that cross-prefix reuse places (``AgentNames.span_scope``,
-unless the server shares them explicitly); a tenant's live handles, plus those its requests in flight may
+``a`` is ``t/a`` in the engine, its agentless requests ``t/``), nor the spans that cross-prefix reuse
+places (``AgentNames.span_scope``, unless the server shares them explicitly), nor the prefix cache (the
+engine's ``isolate_prefix_cache``, scoped by the same tenant part, unless shared explicitly); a tenant's live handles, plus those its requests in flight may
 make, stay within its ``Quota`` (``Owners.admit``); an OpenAI agent retains one handle per session,
 its latest (``AgentSlots``, keyed by tenant, session and agent: two sessions of one app never resume
 each other's turns), and only its own tenant's requests may evict it.
@@ -95,27 +96,31 @@ def request_reuse(request: Request, given: Reuse | None) -> Reuse | None:
 
 @dataclass(frozen=True)
 class AgentNames:
-    """Engine names of tenants' agents: ``tenant/agent`` on a multi-tenant server, else the name itself."""
+    """Engine names of tenants' agents: ``tenant/agent`` on a multi-tenant server (``tenant/`` for a
+    request without an agent, so that the engine can tell every request's tenant: its prefix cache and
+    spans are scoped by it), else the name itself (None: no agent)."""
 
     multi_tenant: bool
 
     def engine_name(self, tenant: str, agent: str | None) -> str | None:
-        if not agent:
-            return None
-        if len(agent) > MAX_AGENT_CHARS:
+        if agent and len(agent) > MAX_AGENT_CHARS:
             raise InvalidRequest(f"agent names are at most {MAX_AGENT_CHARS} characters")
-        return f"{tenant}/{agent}" if self.multi_tenant else agent
+        if not self.multi_tenant:
+            return agent or None
+        return f"{tenant}/{agent or ''}"
 
     def span_scope(self, engine_name: str | None) -> str | None:
         """The scope of cross-prefix reuse of a request by the engine agent ``engine_name`` on a
         multi-tenant server: its tenant, so that spans come only from the same tenant's live handles;
-        None (no cross-prefix reuse) for agentless requests, whose tenant the engine cannot tell."""
+        None (no cross-prefix reuse) for a request whose tenant the engine cannot tell (a name
+        without a tenant part: an engine-internal one)."""
         if not engine_name or "/" not in engine_name:
             return None
         return engine_name.split("/", 1)[0]
 
     def own_name(self, tenant: str, engine_name: str) -> str | None:
-        """The tenant's own name of an engine agent name, or None for another tenant's agent."""
+        """The tenant's own name of an engine agent name ("" for its agentless requests), or None for
+        another tenant's agent."""
         if not self.multi_tenant:
             return engine_name
         prefix = f"{tenant}/"
