@@ -6,6 +6,9 @@ Specification:
 - the cost model transfers when the link is fast and recomputes when it is throttled, and every
   decision is reported with predicted and measured times;
 - fork children are spread over idle workers when requests pile up on one;
+- a stream the consumer abandons (before its first chunk, mid-generation, or after its last chunk
+  with the result already sent) leaves nothing on the workers: no handle, no pinned block, no
+  request in flight (issue 20's soak);
 - a worker killed mid-stream: the stream finishes on the other worker with the same tokens, and
   handles that lived only on the dead worker are recomputed from lineage on next use;
 - multi-node: ``kvbaton serve --rank 0/1 --world-size 2`` on loopback rendezvous through
@@ -21,6 +24,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import kvbaton
 import pytest
@@ -202,6 +206,35 @@ def test_merge_of_handles_on_different_workers_colocates_them_first(client, clus
     out = client.resume(merged.handle, SUFFIX, sampling=GREEDY)
     assert out.token_ids == dense_greedy(reference, context + SUFFIX + SUFFIX, GREEDY.max_tokens)[0]
     client.release([base, longer, merged.handle, out.handle])
+
+
+def leftovers(cluster) -> tuple[int, int, int]:
+    """Handles the workers' engines hold, blocks pinned by anything but the prefix caches, and
+    requests in flight on the workers."""
+    s = cluster.stats()
+    workers = [w for w in s.cluster.workers if w.stats is not None]
+    return (sum(w.stats.handles_live for w in workers), s.blocks_used - s.blocks_cache_only,
+            sum(w.queue for w in workers))
+
+
+def test_abandoned_streams_leave_nothing_on_the_workers(cluster, corpus_tokens):
+    base = leftovers(cluster)
+    handle = cluster.materialize(corpus_tokens[1200:1230])
+    # Every chunk read, not the result: the worker has sent it, with the handle it made.
+    done = cluster.complete_stream(corpus_tokens[1230:1260], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert next(done).token_ids
+    done.close()
+    # Closed before anything was read: the request runs on a worker all the same.
+    cluster.resume_stream(handle, SUFFIX, SamplingParams(max_tokens=8, ignore_eos=True)).close()
+    # Closed mid-generation.
+    mid = cluster.resume_stream(handle, SUFFIX, SamplingParams(max_tokens=8, ignore_eos=True))
+    next(mid)
+    mid.close()
+    cluster.release(handle)
+    deadline = time.monotonic() + 120  # the workers release in their own threads: wait for the state
+    while leftovers(cluster) != base and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers(cluster) == base
 
 
 def test_killed_worker_streams_finish_elsewhere_and_its_handles_are_recomputed(
