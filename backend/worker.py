@@ -386,6 +386,11 @@ class WorkerClient:
     def _items(self, cid: int, pending: _Pending) -> _StreamItems:
         return _StreamItems(self, cid, pending)
 
+    def _forget(self, cid: int) -> None:
+        """Stream ``cid`` ended and its consumer read the end."""
+        with self._lock:
+            self._pending.pop(cid, None)
+
     def _abandon(self, cid: int, pending: _Pending) -> None:
         """The consumer left stream ``cid`` before its end: cancel it on the worker; whatever it
         made (a result already sent, or sent before the cancel arrives) is released there."""
@@ -495,8 +500,7 @@ class _StreamItems(Iterator[StreamChunk | Result]):
         if item[0] == "chunk":
             return item[1]  # type: ignore[no-any-return]
         self._ended = True
-        with self._client._lock:
-            self._client._pending.pop(self._cid, None)
+        self._client._forget(self._cid)
         if item[0] == "done":
             return item[1]  # type: ignore[no-any-return]
         raise _error(item)
