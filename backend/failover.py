@@ -30,10 +30,11 @@ def failover_stream(
     deterministic = params.temperature == 0 or params.seed is not None
     worker, items = start()
 
-    def chunks() -> Generator[StreamChunk, None, Result]:
+    def chunks() -> Generator[StreamChunk | None, None, Result]:
         nonlocal worker, items
         delivered = 0
         try:
+            yield None  # primed below: from here on, closing the stream closes the worker's one
             while True:
                 skip = delivered
                 try:
@@ -59,4 +60,8 @@ def failover_stream(
             if close is not None:
                 close()
 
-    return TokenStream(chunks())
+    # The request runs on the worker already: a generator closed before it started would skip its
+    # ``finally`` and leave that stream (and what it makes) running there with nobody to end it.
+    primed = chunks()
+    next(primed)
+    return TokenStream(primed)  # type: ignore[arg-type]

@@ -48,7 +48,7 @@ class ModelRunner:
         if self.fast is not None and all(len(c.token_ids) == 1 and not c.all_logits for c in chunks):
             logits = self.fast.forward([c.blocks for c in chunks], [c.start for c in chunks],
                                        [c.token_ids[0] for c in chunks])
-            return list(logits)
+            return _separate(list(logits))
         input_ids: list[int] = []
         positions: list[int] = []
         seqs = []
@@ -76,7 +76,7 @@ class ModelRunner:
         ).last_hidden_state
         # Usually only the last token of each chunk needs logits: skip the LM head everywhere else.
         logits = self._model.lm_head(hidden[0, torch.tensor(rows, device=self._device)]).float()
-        return [logits[a:b] if every else logits[a] for a, b, every in spans]
+        return _separate([logits[a:b] if every else logits[a] for a, b, every in spans])
 
     @torch.inference_mode()
     def deviation(self, blocks: Sequence[int], start: int, token_ids: Sequence[int]) -> torch.Tensor:
@@ -103,3 +103,12 @@ class ModelRunner:
         _, cached = self.pool.read(1, self.pool.slots(list(blocks), start, start + n))  # [kv_heads, n, head_dim]
         cached = cached.transpose(0, 1).reshape(n, -1).to(v.dtype)
         return ((v - cached).float().pow(2).sum(-1) / cached.float().pow(2).sum(-1).clamp_min(1e-12)).cpu()
+
+
+def _separate(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each sequence's logits in storage of its own: a view into the batch's logits would keep the
+    whole batch's (``rows x vocab`` floats, megabytes) alive for as long as a handle keeps its last
+    logits (``KVState.last_logits``), a cost that grew with every live handle (issue 20's soak)."""
+    if len(parts) == 1 and parts[0].untyped_storage().nbytes() == parts[0].nbytes:
+        return parts
+    return [p.clone() for p in parts]

@@ -10,7 +10,11 @@ The worker joins two channels:
   with ``$KVBATON_CLUSTER_KEY``), carrying engine calls and their results as pickled messages.
 
 Each call runs in its own thread (the engine is thread-safe and batches concurrent requests).
-Streams send their chunks as they come. When the control connection closes, the worker exits.
+Streams send their chunks as they come and always end with one terminal message (``done`` with the
+result, ``err``, or ``cancelled`` once a cancel stopped them). A stream the coordinator abandons is
+kept in its table until that terminal message: a result that was already on its way (the
+generation finished as the consumer left) is released on the worker, since nobody will own its
+handle. When the control connection closes, the worker exits.
 
 Run as ``python -m kvbaton.backend.worker --rank R --world-size N --device D --control HOST:PORT``;
 ``kvbaton serve`` starts workers itself (and ``kvbaton serve --rank R`` for R > 0 runs one).
@@ -141,8 +145,13 @@ class WorkerServer:
                 if cancelled.is_set():
                     break
                 self.send(("chunk", cid, chunk))
-            else:
+            if not cancelled.is_set():
                 self.send(("done", cid, stream.result))
+            else:  # the coordinator left: nobody will own what the generation made
+                result = stream.result
+                if result is not None and result.handle is not None:
+                    self.engine.release(result.handle.id)
+                self.send(("cancelled", cid))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             self._fail(cid, exc)
         finally:
@@ -285,12 +294,24 @@ def main(argv: list[str] | None = None) -> None:
 # -- the coordinator's side -----------------------------------------------------------------------
 
 
+_STREAM_ENDS = frozenset({"done", "err", "cancelled", "lost"})  # the last message of a stream
+
+
 class _Pending:
     def __init__(self, streaming: bool) -> None:
         self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
         self.items: queue.Queue[tuple[Any, ...]] | None = queue.Queue() if streaming else None
+        self.abandoned = False  # a stream its consumer left: waiting for its terminal message
+
+
+def _made(item: tuple[Any, ...]) -> str | None:
+    """The id of the handle a stream's ``done`` message carries, if any."""
+    if item[0] != "done":
+        return None
+    handle = getattr(item[1], "handle", None)
+    return handle.id if handle is not None else None
 
 
 class WorkerClient:
@@ -364,29 +385,43 @@ class WorkerClient:
             raise _error(first)
         return self._items(cid, pending)
 
-    def _items(self, cid: int, pending: _Pending) -> Iterator[StreamChunk | Result]:
+    def _items(self, cid: int, pending: _Pending) -> _StreamItems:
+        return _StreamItems(self, cid, pending)
+
+    def _forget(self, cid: int) -> None:
+        """Stream ``cid`` ended and its consumer read the end."""
+        with self._lock:
+            self._pending.pop(cid, None)
+
+    def _abandon(self, cid: int, pending: _Pending) -> None:
+        """The consumer left stream ``cid`` before its end: cancel it on the worker; whatever it
+        made (a result already sent, or sent before the cancel arrives) is released there."""
         assert pending.items is not None
-        finished = False
-        try:
-            while True:
-                item = pending.items.get()
-                if item[0] == "chunk":
-                    yield item[1]
-                elif item[0] == "done":
-                    finished = True
-                    yield item[1]
-                    return
-                else:
-                    finished = True
-                    raise _error(item)
-        finally:
-            with self._lock:
+        with self._lock:  # the reader queues under the same lock: nothing slips between the two
+            pending.abandoned = True
+            waiting: list[tuple[Any, ...]] = []
+            while not pending.items.empty():
+                waiting.append(pending.items.get_nowait())
+            ended = next((item for item in waiting if item[0] in _STREAM_ENDS), None)
+            if ended is not None:
                 self._pending.pop(cid, None)
-            if not finished and self.alive:
-                try:
-                    self._send(("cancel", cid))
-                except WorkerLost:
-                    pass
+        if ended is not None:
+            self._release_orphan(_made(ended))
+        elif self.alive:
+            try:
+                self._send(("cancel", cid))
+            except WorkerLost:
+                pass
+
+    def _release_orphan(self, hid: str | None) -> None:
+        """Release on the worker a handle an abandoned stream made, without waiting for the answer
+        (the reader thread calls this; the answer, to an id nobody waits for, is dropped)."""
+        if hid is None or not self.alive:
+            return
+        try:
+            self._send(("call", next(self._ids), "release", ([hid],), {}))
+        except WorkerLost:
+            pass
 
     def _read(self) -> None:
         while True:
@@ -396,12 +431,20 @@ class WorkerClient:
                 self._lost()
                 return
             kind, cid = message[0], message[1]
+            orphan: str | None = None
             with self._lock:
                 pending = self._pending.get(cid)
+                if pending is not None and pending.items is not None:
+                    if not pending.abandoned:
+                        pending.items.put((kind, *message[2:]))
+                        continue
+                    if kind not in _STREAM_ENDS:
+                        continue  # a chunk of an abandoned stream
+                    self._pending.pop(cid, None)
+                    orphan = _made((kind, *message[2:]))
+                    pending = None
             if pending is None:
-                continue
-            if pending.items is not None:
-                pending.items.put((kind, *message[2:]))
+                self._release_orphan(orphan)
                 continue
             with self._lock:
                 self._pending.pop(cid, None)
@@ -417,6 +460,8 @@ class WorkerClient:
                 return
             self.alive = False
             pending = list(self._pending.values())
+            for cid in [cid for cid, p in self._pending.items() if p.abandoned]:
+                del self._pending[cid]  # nobody waits for them, and nothing of theirs is left
         if not self._closing:
             log.error("worker %d (%s, pid %s) is lost", self.rank, self.device, self.pid)
         for p in pending:
@@ -439,6 +484,33 @@ class WorkerClient:
             self.conn.close()
         except OSError:
             pass
+
+
+class _StreamItems(Iterator[StreamChunk | Result]):
+    """The chunks of one stream on a worker, then its :class:`Result`. Closing it before the end
+    (also before the first item was read) abandons the stream: see :meth:`WorkerClient._abandon`."""
+
+    def __init__(self, client: WorkerClient, cid: int, pending: _Pending) -> None:
+        self._client, self._cid, self._pending = client, cid, pending
+        self._ended = False
+
+    def __next__(self) -> StreamChunk | Result:
+        if self._ended:
+            raise StopIteration
+        assert self._pending.items is not None
+        item = self._pending.items.get()
+        if item[0] == "chunk":
+            return item[1]  # type: ignore[no-any-return]
+        self._ended = True
+        self._client._forget(self._cid)
+        if item[0] == "done":
+            return item[1]  # type: ignore[no-any-return]
+        raise _error(item)
+
+    def close(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._client._abandon(self._cid, self._pending)
 
 
 def _error(item: tuple[Any, ...]) -> BaseException:

@@ -80,3 +80,22 @@ def test_prompt_beside_a_decoding_request_is_prefilled_in_small_chunks(chunking,
         handle = engine.materialize(prompt[:-1])
     assert sizes == [64, 64, 64, 64, 43]
     assert _matches_dense(engine, handle, prompt, reference)
+
+
+def test_each_sequence_of_a_batched_forward_gets_logits_of_its_own(engine, corpus_tokens):
+    """A handle keeps its last logits: a view into the batch's logits would keep every row of the
+    batch alive with it (issue 20: the soak's server memory grew with its live handles)."""
+    from kvbaton.backend.model_runner import Chunk
+
+    blocks = [engine.pool.allocate(1) for _ in range(3)]
+    try:
+        chunks = [Chunk(b, 0, corpus_tokens[3000 + 8 * i : 3004 + 8 * i]) for i, b in enumerate(blocks)]
+        prefilled = engine.scheduler.call(lambda: engine.runner.forward(chunks))
+        decoded = engine.scheduler.call(lambda: engine.runner.forward(
+            [Chunk(b, 4, [corpus_tokens[3100]]) for b in blocks]))  # the fast decode path, where there is one
+    finally:
+        for b in blocks:
+            engine.pool.decref(b)
+    for logits in prefilled + decoded:
+        assert logits.shape == (engine.loaded.vocab_size,)
+        assert logits.untyped_storage().nbytes() == logits.nbytes

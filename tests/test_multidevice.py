@@ -6,6 +6,9 @@ Specification:
 - the cost model transfers when the link is fast and recomputes when it is throttled, and every
   decision is reported with predicted and measured times;
 - fork children are spread over idle workers when requests pile up on one;
+- a stream the consumer abandons (before its first chunk, mid-generation, or after its last chunk
+  with the result already sent) leaves nothing on the workers: no handle, no pinned block, no
+  request in flight (issue 20's soak);
 - a worker killed mid-stream: the stream finishes on the other worker with the same tokens, and
   handles that lived only on the dead worker are recomputed from lineage on next use;
 - multi-node: ``kvbaton serve --rank 0/1 --world-size 2`` on loopback rendezvous through
@@ -21,6 +24,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import kvbaton
 import pytest
@@ -217,6 +221,35 @@ def test_every_worker_keeps_tenants_prefix_caches_apart(client, cluster):
     assert again.timings.tokens_reused > 0 and other.timings.tokens_reused == 0
     assert first.token_ids == again.token_ids == other.token_ids
     client.release([r.handle for r in (first, again, other)])
+
+
+def leftovers(cluster) -> tuple[int, int, int]:
+    """Handles the workers' engines hold, blocks pinned by anything but the prefix caches, and
+    requests in flight on the workers."""
+    s = cluster.stats()
+    workers = [w for w in s.cluster.workers if w.stats is not None]
+    return (sum(w.stats.handles_live for w in workers), s.blocks_used - s.blocks_cache_only,
+            sum(w.queue for w in workers))
+
+
+def test_abandoned_streams_leave_nothing_on_the_workers(cluster, corpus_tokens):
+    base = leftovers(cluster)
+    handle = cluster.materialize(corpus_tokens[1200:1230])
+    # Every chunk read, not the result: the worker has sent it, with the handle it made.
+    done = cluster.complete_stream(corpus_tokens[1230:1260], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert next(done).token_ids
+    done.close()
+    # Closed before anything was read: the request runs on a worker all the same.
+    cluster.resume_stream(handle, SUFFIX, SamplingParams(max_tokens=8, ignore_eos=True)).close()
+    # Closed mid-generation.
+    mid = cluster.resume_stream(handle, SUFFIX, SamplingParams(max_tokens=8, ignore_eos=True))
+    next(mid)
+    mid.close()
+    cluster.release(handle)
+    deadline = time.monotonic() + 120  # the workers release in their own threads: wait for the state
+    while leftovers(cluster) != base and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers(cluster) == base
 
 
 def test_killed_worker_streams_finish_elsewhere_and_its_handles_are_recomputed(
