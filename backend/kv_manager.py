@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ from .spill import Spiller
 from .tiers import TierSpec, make_tier
 
 log = logging.getLogger(__name__)
+
+# A request its consumer has left at a yield for this long is not counted on to give blocks back soon.
+SUSPENDED_GRACE_S = 0.5
 
 
 @dataclass
@@ -78,6 +82,11 @@ class KVManager:
         self.scope: Callable[[KVState], str | None] = lambda state: ""
         self.spiller = Spiller(pool, cache, live, lambda state: self.scope(state))  # ``live``: the engine's live states
         self._pinned: Counter[int] = Counter()  # blocks read outside the lock (compose sources): never spilled
+        # Requests holding reserved blocks until they finish (``reserve(..., wait_s=)``): a reservation that
+        # does not fit waits for them rather than failing while their blocks are about to come back.
+        self._in_flight: dict[str, KVState] = {}
+        self._suspended: dict[str, float] = {}  # in flight, but left at a yield by its consumer (since when)
+        self.freed = threading.Condition(lock)  # signalled when blocks may have come back
 
     # -- states --------------------------------------------------------------------------------
     def share(self, parent: KVState | None, keep: int, added: Sequence[int], step: LineageStep) -> KVState:
@@ -116,9 +125,58 @@ class KVManager:
                 "max_tokens, or raise kv_budget"
             )
 
-    def reserve(self, state: KVState, num_tokens: int) -> None:
+    def reserve(self, state: KVState, num_tokens: int, wait_s: float = 0.0) -> None:
         """Make ``state`` own writable blocks for positions ``num_cached..num_tokens-1``, or raise:
-        :class:`InvalidRequest` if it could never fit, :class:`PoolExhausted` if it does not fit now."""
+        :class:`InvalidRequest` if it could never fit, :class:`PoolExhausted` if it does not fit now.
+
+        With ``wait_s``, a request (it then counts as in flight until it is registered or dropped) that does
+        not fit waits up to that long while other requests in flight hold blocks: they reserved all they
+        need, so they finish and give blocks back (to free, to the cache, or as idle handles that can be
+        spilled). A burst of cold requests queues instead of failing; with nothing in flight, or once the
+        wait is over, it is :class:`PoolExhausted` at once, as before."""
+        deadline = time.monotonic() + wait_s
+        with self.lock:
+            while True:
+                try:
+                    self._reserve_now(state, num_tokens)
+                    break
+                except PoolExhausted:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._progressing(state):
+                        raise
+                    self.freed.wait(min(left, 0.25))  # woken when blocks may be back; polls in any case
+            if wait_s > 0:
+                self._in_flight[state.id] = state
+
+    def _progressing(self, waiter: KVState) -> bool:
+        """Whether another request in flight holds blocks and is running: not one its consumer has left at
+        a yield for a while (a paused stream gives nothing back until someone reads it)."""
+        now = time.monotonic()
+        return any(
+            s.blocks and now - self._suspended.get(i, now) < SUSPENDED_GRACE_S
+            for i, s in self._in_flight.items() if i != waiter.id
+        )
+
+    def suspend(self, state: KVState, suspended: bool = True) -> None:
+        """A request in flight is (or no longer is) waiting for its consumer to read its next chunk. No lock:
+        once per token, and one dict operation is atomic; a waiter reads it at its next poll at the latest."""
+        if not suspended:
+            self._suspended.pop(state.id, None)
+        elif state.id in self._in_flight:
+            self._suspended[state.id] = time.monotonic()
+
+    def finished(self, state: KVState) -> None:
+        """A request in flight is a live handle now: idle, so a waiting reservation may spill it."""
+        with self.lock:
+            self._suspended.pop(state.id, None)
+            if self._in_flight.pop(state.id, None) is not None:
+                self._blocks_back()
+
+    def _blocks_back(self) -> None:
+        """Wake reservations waiting for blocks (lock held)."""
+        self.freed.notify_all()
+
+    def _reserve_now(self, state: KVState, num_tokens: int) -> None:
         bs = self.block_size
         self.check_fits(num_tokens)
         with self.lock:
@@ -151,6 +209,7 @@ class KVManager:
             if len(state.blocks) > keep:
                 self.pool.decref(state.blocks[keep:])
                 del state.blocks[keep:]
+                self._blocks_back()
 
     def drop(self, state: KVState) -> None:
         """Give back every block of the state (idempotent)."""
@@ -159,6 +218,9 @@ class KVManager:
             state.blocks = []
             state.last_logits = None
             self.spiller.forget(state)
+            self._in_flight.pop(state.id, None)
+            self._suspended.pop(state.id, None)
+            self._blocks_back()
 
     def pin(self, blocks: Sequence[int]) -> None:
         """Keep blocks readable while their owner may be released (compose sources, exports)."""
@@ -170,6 +232,7 @@ class KVManager:
         with self.lock:
             self.pool.decref(blocks)
             self._pinned.subtract(blocks)
+            self._blocks_back()
             self._pinned += Counter()  # drops the zero counts
 
     def export(self, state: KVState) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -41,6 +41,9 @@ from .scheduler import Scheduler
 from .sequence import KVState
 from .stats import AgentLatencies
 
+# How long a request that does not fit waits for requests in flight to give blocks back before it is
+# PoolExhausted (503 + Retry-After on a server): a burst of cold requests queues instead of failing.
+ADMISSION_WAIT_S = 30.0
 
 # Fills an admitted request's prompt (placing reused spans, computing the rest) and returns its
 # next-token logits and what it placed: cross-prefix reuse (``Engine._placer``).
@@ -82,7 +85,7 @@ class Lifecycle:
         (``loads``, when given, says where the attached blocks came from)."""
         self._kv.check_fits(num_tokens)  # before any slow-tier load or compute
         self._kv.attach(state, loads)
-        self._kv.reserve(state, num_tokens)
+        self._kv.reserve(state, num_tokens, wait_s=ADMISSION_WAIT_S)
         return state.num_cached
 
     def publish(self, state: KVState) -> Handle:
@@ -99,6 +102,7 @@ class Lifecycle:
             if reused is not None:
                 self.count_prefill(reused, state.num_tokens)
             self._handles.add(state.id, state)
+            self._kv.finished(state)
             if self.on_register is not None and state.cacheable:
                 self.on_register(state)
             return self.publish(state)
@@ -269,7 +273,11 @@ class Lifecycle:
                         logits = self.compute(state)
                     if finish is not None:
                         delta += detok.flush()
-                    yield StreamChunk(text=delta, token_ids=[token], logprobs=step_logprobs)
+                    self._kv.suspend(state)  # until the consumer reads on: see KVManager.reserve
+                    try:
+                        yield StreamChunk(text=delta, token_ids=[token], logprobs=step_logprobs)
+                    finally:
+                        self._kv.suspend(state, False)
             with self._lock:
                 self._kv.trim(state)
                 last = state.lineage[-1]

@@ -82,3 +82,22 @@ def test_blocks_of_requests_in_flight_are_not_spillable(corpus_tokens):
     engine.release(engine.materialize(corpus_tokens[2000:2300]))  # fits once the stream is gone
     assert_pool_drains(engine, [idle])
     engine.close()
+
+
+def test_a_burst_larger_than_the_pool_queues_instead_of_failing(reference, corpus_tokens):
+    """Six cold 300-token requests at once need 6 x 19 blocks of a 60-block pool: those that do not fit
+    wait for the requests in flight to finish (their blocks come back as idle handles, which spill),
+    rather than failing with PoolExhausted; each answer is the dense one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = Engine(kv_budget="60 blocks", prefetch=False)
+    tokens = contexts(corpus_tokens, 6)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda ctx: engine.complete(ctx, GREEDY_4), tokens))
+        for ctx, result in zip(tokens, results, strict=True):
+            assert result.token_ids == dense_greedy(reference, ctx, 4)[0]
+        engine.release([r.handle for r in results])
+        assert engine.stats().handles_live == 0
+    finally:
+        engine.close()
