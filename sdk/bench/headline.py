@@ -165,6 +165,15 @@ def _reuse_share(turns: list[dict[str, Any]]) -> tuple[float, int]:
     return (reused / prompt if prompt else 0.0), len(turns)
 
 
+def _turns(row: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    return row["run_detail"]["workloads"][name]["turns"]
+
+
+def _downstream(row: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """The turns after a workload's first: the agents that could reuse another agent's cache."""
+    return [t for t in _turns(row, name) if t["index"] > 0]
+
+
 def _agents_targets(rec: Record) -> list[Target]:
     """The persona-first targets: auto vs vLLM (fp32) and vs exact per workload (ratios of medians),
     teacher-forced first-token agreement of auto per dtype, and the reuse of downstream agents (every turn
@@ -185,10 +194,9 @@ def _agents_targets(rec: Record) -> list[Target]:
                 continue
             ratio = vllm[f"{name}_s"] / auto32[f"{name}_s"]
             found.append(Target(text, _x(ratio), ratio >= AGENTS_SPEEDUP))
-        for name in compared:  # round 1 of every workflow is cold prefill: kvbaton's alone vs vLLM's
-            exact32 = by.get(("float32", "exact"))
-            if vllm is None or exact32 is None or "run_detail" not in vllm or "run_detail" not in exact32:
-                break
+        exact32 = by.get(("float32", "exact"))
+        timed = vllm is not None and exact32 is not None and "run_detail" in vllm and "run_detail" in exact32
+        for name in compared if timed else []:  # round 1 of every workflow is cold prefill: ours vs vLLM's
             mine = {t["index"]: t for t in _turns(exact32, name)}
             cold = [i for i, t in mine.items() if t["reused_exact"] == 0 and "ttft_s" in t]
             peer = {t["index"]: t for t in _turns(vllm, name)}
@@ -219,15 +227,10 @@ def _agents_targets(rec: Record) -> list[Target]:
         else:
             found.append(Target(text, "nothing: no teacher-forced pass in this run", False))
         for name in names:
-            turns = [t for t in auto["run_detail"]["workloads"][name]["turns"] if t["index"] > 0]
-            share, n = _reuse_share(turns)
+            share, n = _reuse_share(_downstream(auto, name))
             found.append(Target(f"{name} {dtype}: downstream agents reuse >= {AGENTS_REUSE:.0%} of their prompt tokens "
                                 "in auto", f"{_pct(share)} over {n} turns", share >= AGENTS_REUSE))
     return found
-
-
-def _turns(row: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    return row["run_detail"]["workloads"][name]["turns"]
 
 
 def _agents_reasons(rec: Record) -> list[str]:
@@ -243,14 +246,13 @@ def _agents_reasons(rec: Record) -> list[str]:
         for name in rec.get("workloads") or []:
             if exact[f"{name}_s"] / auto[f"{name}_s"] >= AGENTS_SPEEDUP:
                 continue
-            turns = _turns(exact, name)
-            if any("ttft_s" not in t for t in turns + _turns(auto, name)):
+            turns, auto_turns = _turns(exact, name), _turns(auto, name)
+            if any("ttft_s" not in t for t in turns + auto_turns):
                 continue  # a record without per-turn timings cannot say where the time went
             total = sum(t["seconds"] for t in turns)
             decode = sum(t["seconds"] - t["ttft_s"] for t in turns)
             first = turns[0]["ttft_s"]
             later_exact = sum(t["ttft_s"] for t in turns[1:])
-            auto_turns = _turns(auto, name)
             later_auto = sum(t["ttft_s"] for t in auto_turns[1:])
             # Turns after the first that exact found nothing for: an agent's first turn, reading another's document.
             cold = [t["index"] for t in turns[1:] if t["reused_exact"] == 0]
@@ -268,14 +270,14 @@ def _agents_reasons(rec: Record) -> list[str]:
                          "faster than exact (medians)")
             lines.append(line)
         for name in rec.get("workloads") or []:
-            share, _ = _reuse_share([t for t in _turns(auto, name) if t["index"] > 0])
+            share, _ = _reuse_share(_downstream(auto, name))
             if share >= AGENTS_REUSE:
                 continue
             line = (f"why (downstream reuse, {name} {dtype}): auto recomputes the most-deviating tokens of every "
                     "re-aligned segment, and a whole segment when the answer looks unsure; those tokens count "
                     "as prefilled")
             if rotate is not None and "run_detail" in rotate:
-                rshare, _ = _reuse_share([t for t in _turns(rotate, name) if t["index"] > 0])
+                rshare, _ = _reuse_share(_downstream(rotate, name))
                 line += f". Rotate, which recomputes none, reused {_pct(rshare)} in the same run"
             lines.append(line)
     return lines
