@@ -79,17 +79,24 @@ def render(schema: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m kvbaton.backend.apidoc",
+        description="Render the server API reference (docs/api.md) from the app's own OpenAPI schema.")
+    parser.add_argument("out", nargs="?", type=Path, help="the Markdown file to write (default: standard output)")
+    args = parser.parse_args(argv)  # --help prints this and exits; it is never taken for a file name
+
     from kvbaton.backend import Engine
     from kvbaton.backend.server import create_app
 
-    args = sys.argv[1:] if argv is None else argv
     engine = Engine(kv_budget="1 blocks", prefix_cache=False)
     try:
         text = render(create_app(engine).openapi())
     finally:
         engine.close()
-    if args:
-        Path(args[0]).write_text(text)
+    if args.out is not None:
+        args.out.write_text(text)
     else:
         sys.stdout.write(text)
 

@@ -337,8 +337,10 @@ class Engine:
             self.kv.unpin(pinned)
 
     def _dense_argmax(self, prompt: list[int]) -> int:
-        """The next-token argmax after ``prompt`` on the exact path (the fidelity audit's reference)."""
-        result = self.complete(prompt, SamplingParams(max_tokens=1), reuse="exact")
+        """The next-token argmax after ``prompt`` on the exact path (the fidelity audit's reference), as
+        background work: it never delays a request by more than one small chunk."""
+        with self.scheduler.background():
+            result = self.complete(prompt, SamplingParams(max_tokens=1), reuse="exact")
         self.release(result.handle)
         return result.token_ids[0]
 

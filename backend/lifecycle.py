@@ -134,7 +134,7 @@ class Lifecycle:
     def compute_until(self, state: KVState, until: int) -> torch.Tensor | None:
         """Like :meth:`compute`, for positions up to ``until`` only (None: nothing was computed)."""
         logits = state.last_logits if until == state.num_tokens else None
-        if until - state.num_cached <= self.prefill_chunk:  # one chunk: decode steps, short prompts
+        if until - state.num_cached <= self._scheduler.chunk_limit(self.prefill_chunk):  # decode steps, short prompts
             if state.num_cached < until:
                 logits = self._chunk(state, until)
         else:

@@ -62,17 +62,27 @@ class RopeShifter:
     def shift(self, keys: torch.Tensor, old_start: int, new_start: int) -> torch.Tensor:
         """Keys ``[..., tokens, head_dim]`` cached at positions ``old_start..`` moved to ``new_start..``."""
         check_shiftable(self.rope_type, self.rope_parameters)
-        if old_start == new_start:
-            return keys
         n = keys.shape[-2]
+        if old_start == new_start or n == 0:
+            return keys
         device = keys.device
         inv = self.inv_freq.to(device)
         old = torch.arange(old_start, old_start + n, device=device, dtype=torch.float32)
         new = torch.arange(new_start, new_start + n, device=device, dtype=torch.float32)
         delta = (new[:, None] * inv[None, :]).double() - (old[:, None] * inv[None, :]).double()
-        angle = torch.cat((delta, delta), dim=-1)  # [tokens, head_dim], as the model lays out cos/sin
-        cos, sin = angle.cos().to(torch.float32), angle.sin().to(torch.float32)
-        k = keys.float()
-        half = k.shape[-1] // 2
-        rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
-        return (k * cos + rotated * sin).to(keys.dtype)
+        # The model lays out cos/sin as [delta, delta] over head_dim, so each half of a key turns by the
+        # same [tokens, head_dim / 2] angles: k1' = k1 cos - k2 sin, k2' = k2 cos + k1 sin (the same
+        # products and sums as k * cos + rotate_half(k) * sin, so the same bits), one layer at a time
+        # and without the rotate_half copy: the keys of a long segment are tens of MB.
+        cos, sin = delta.cos().to(torch.float32), delta.sin().to(torch.float32)
+        half = keys.shape[-1] // 2
+        out = torch.empty(keys.shape, dtype=torch.float32, device=device)
+        flat_in, flat_out = keys.reshape(-1, n, keys.shape[-1]), out.view(-1, n, keys.shape[-1])
+        step = max(1, (1 << 19) // max(1, n * keys.shape[-1]))  # ~2 MB of keys per pass: stays in cache
+        for i in range(0, flat_in.shape[0], step):
+            k = flat_in[i : i + step].float()
+            k1, k2 = k[..., :half], k[..., half:]
+            o1, o2 = flat_out[i : i + step, :, :half], flat_out[i : i + step, :, half:]
+            torch.mul(k1, cos, out=o1).sub_(k2 * sin)
+            torch.mul(k2, cos, out=o2).add_(k1 * sin)
+        return out.to(keys.dtype)

@@ -9,6 +9,10 @@ chunk at a time by its request, so it delays the decodes of others by at most on
 with no other request active goes in chunks as large as the token budget, since splitting it
 further would only cost (smaller matrix products, attention re-reading the cached part).
 
+Background work (the fidelity audit's dense checks: :meth:`Scheduler.background`) runs only while no
+request is waiting or active, in chunks of at most ``background_chunk`` tokens, so a request that
+arrives meanwhile waits for one small chunk at most, and a busy engine simply runs no checks.
+
 Forwards never run under the engine lock: a request only submits work for blocks it owns (written
 ones are private, thanks to copy-on-write) or pins (read ones), so eviction and prefetch can go on
 meanwhile. All forwards run on this one thread, which is what serializes them.
@@ -18,7 +22,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -37,13 +42,19 @@ class _Work:
 
 class Scheduler:
     def __init__(
-        self, runner: ModelRunner, max_batch_tokens: int = 2048, max_batch_seqs: int = 64, gather_s: float = 0.003
+        self, runner: ModelRunner, max_batch_tokens: int = 2048, max_batch_seqs: int = 64, gather_s: float = 0.003,
+        background_chunk: int = 128,
     ) -> None:
         self._runner = runner
         self.runner = runner
         self.gather_s = gather_s
-        # Requests inside their decode loop ("decoding") or a prefill of several chunks ("prefilling").
+        self.background_chunk = background_chunk
+        # Requests inside their decode loop ("decoding") or a prefill of several chunks ("prefilling");
+        # background threads count as "background" whatever they do, so requests never wait for them.
         self._active: Counter[str] = Counter()
+        self._background: deque[_Work] = deque()
+        self._local = threading.local()
+        self.background_forwards = 0
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
         self._pending: deque[_Work] = deque()
@@ -63,9 +74,30 @@ class Scheduler:
         """Context manager a request holds while it prefills a prompt longer than one chunk."""
         return _Active(self, "prefilling")
 
+    @contextmanager
+    def background(self) -> Iterator[None]:
+        """While inside, the calling thread's work is background work: it waits until no request is
+        waiting or active, and its prompts go in chunks of at most ``background_chunk`` tokens."""
+        previous = getattr(self._local, "background", False)
+        self._local.background = True
+        try:
+            yield
+        finally:
+            self._local.background = previous
+
+    def in_background(self) -> bool:
+        return bool(getattr(self._local, "background", False))
+
+    def chunk_limit(self, chunk: int) -> int:
+        """The largest prompt the calling thread computes in one piece (``chunk``, less in the background)."""
+        return min(chunk, self.background_chunk) if self.in_background() else chunk
+
     def chunk_tokens(self, contended: int) -> int:
         """Size of a prefilling request's next chunk: ``contended`` tokens while any other request
-        is active (its decodes wait at most one such chunk), the whole token budget when alone."""
+        is active (its decodes wait at most one such chunk), the whole token budget when alone
+        (background work: never more than ``background_chunk``, a request may come at any moment)."""
+        if self.in_background():
+            return self.chunk_limit(contended)
         with self._cv:
             alone = not self._pending and self._active["decoding"] == 0 and self._active["prefilling"] <= 1
         return max(contended, self.max_batch_tokens) if alone else contended
@@ -83,7 +115,7 @@ class Scheduler:
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            self._pending.append(work)
+            (self._background if self.in_background() else self._pending).append(work)
             self._cv.notify()
         work.done.wait()
         if work.error is not None:
@@ -100,6 +132,10 @@ class Scheduler:
     @property
     def mean_sequences(self) -> float:
         return self.sequences / self.forwards if self.forwards else 0.0
+
+    def _idle(self) -> bool:
+        """No request waiting or active: background work may run (condition held)."""
+        return not self._pending and self._active["decoding"] == 0 and self._active["prefilling"] == 0
 
     def _take(self) -> list[_Work]:
         batch: list[_Work] = []
@@ -118,18 +154,21 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._pending or self._closed)
+                self._cv.wait_for(lambda: self._pending or (self._background and self._idle()) or self._closed)
                 # Decoding requests come back a moment after their last step (sampling, text):
                 # wait briefly for all of them, so a step runs once for everyone, not in pieces.
                 self._cv.wait_for(
                     lambda: len(self._pending) >= self._active["decoding"] or self._closed, timeout=self.gather_s
                 )
                 if self._closed:
-                    for work in self._pending:
+                    for work in (*self._pending, *self._background):
                         work.error = RuntimeError("the engine was closed")
                         work.done.set()
                     return
-                batch = self._take()
+                background = not self._pending
+                if background and not (self._background and self._idle()):
+                    continue  # a request became active while we gathered: its step comes first
+                batch = [self._background.popleft()] if background else self._take()
             try:
                 if batch[0].call is not None:
                     batch[0].logits = batch[0].call()
@@ -142,6 +181,7 @@ class Scheduler:
                     work.error = exc
             finally:
                 self.forwards += 1
+                self.background_forwards += background
                 self.sequences += len(batch)
                 self.max_sequences = max(self.max_sequences, len(batch))
                 for work in batch:
@@ -156,10 +196,12 @@ class _Active:
         self._activity = activity
 
     def __enter__(self) -> None:
+        if self._scheduler.in_background():
+            self._activity = "background"
         with self._scheduler._cv:
             self._scheduler._active[self._activity] += 1
 
     def __exit__(self, *exc: object) -> None:
         with self._scheduler._cv:
             self._scheduler._active[self._activity] -= 1
-            self._scheduler._cv.notify()
+            self._scheduler._cv.notify()  # the engine may have become idle: background work may run

@@ -13,3 +13,15 @@ def test_docs_api_md_matches_the_openapi_schema(engine):
     assert committed == render(create_app(engine).openapi()), (
         "docs/api.md is stale: run `python -m kvbaton.backend.apidoc docs/api.md`"
     )
+
+
+def test_the_generator_answers_help_instead_of_writing_a_file_named_help(tmp_path, capsys, monkeypatch):
+    import pytest
+
+    from kvbaton.backend.apidoc import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "OpenAPI" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []

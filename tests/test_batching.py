@@ -99,3 +99,34 @@ def test_each_sequence_of_a_batched_forward_gets_logits_of_its_own(engine, corpu
     for logits in prefilled + decoded:
         assert logits.shape == (engine.loaded.vocab_size,)
         assert logits.untyped_storage().nbytes() == logits.nbytes
+
+
+def test_background_work_waits_until_no_request_is_active(chunking, reference, corpus_tokens):
+    """The fidelity audit's dense checks are background work: while a request is active they run no
+    forward at all (a request is never slowed by a check), and they finish once the engine is idle."""
+    import threading
+
+    engine, sizes = chunking
+    prompt = corpus_tokens[:300]
+    done: list[int] = []
+    with engine.scheduler.decoding():  # a request between its decode steps
+        check = threading.Thread(target=lambda: done.append(engine._dense_argmax(prompt)))
+        check.start()
+        foreground = engine.complete(corpus_tokens[400:500], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert check.is_alive() and engine.scheduler.background_forwards == 0
+    check.join(timeout=120)
+    assert not check.is_alive()
+    assert done == [dense_greedy(reference, prompt, 1)[0][0]]
+    assert foreground.token_ids == dense_greedy(reference, corpus_tokens[400:500], 2)[0]
+
+
+def test_background_prompts_go_in_small_chunks_even_when_alone(chunking, reference, corpus_tokens):
+    """A request may arrive at any moment: it waits for one small chunk of background work at most."""
+    engine, sizes = chunking
+    engine.scheduler.background_chunk = 32
+    prompt = corpus_tokens[:150]
+    with engine.scheduler.background():
+        handle = engine.materialize(prompt[:-1])
+    assert sizes == [32, 32, 32, 32, 21]
+    assert engine.scheduler.background_forwards == 5
+    assert _matches_dense(engine, handle, prompt, reference)
