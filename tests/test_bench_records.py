@@ -16,6 +16,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 from kvbaton.bench import record, report
@@ -112,6 +113,30 @@ def test_load_above_the_core_count_is_flagged():
 
 
 @pytest.mark.unit
+def test_where_cpu_time_is_measured_other_processes_decide_the_flag_not_the_runs_own_threads():
+    # a run keeping both cores busy itself has a load average of about 2: not a reason to distrust it
+    own_load = record.load_state((2.1,) * 3, (2.6, 2.2, 2.0), max_during=2.7, cores=2, other_cpu_s=3.0, wall_s=100.0)
+    assert own_load["overloaded"] is False and own_load["other_cpu_share"] == 0.015
+    contended = record.load_state((0.5,) * 3, (2.0,) * 3, max_during=2.0, cores=2, other_cpu_s=40.0, wall_s=100.0)
+    assert contended["overloaded"] is True and contended["other_cpu_share"] == 0.2
+
+
+@pytest.mark.unit
+def test_cpu_time_of_other_processes_excludes_this_process_and_its_waited_for_children():
+    before = record.cpu_seconds()
+    if before is None:
+        pytest.skip("no /proc/stat here")
+    sum(i * i for i in range(2_000_000))  # this process's own work
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(2_000_000))"], check=True)  # a waited-for child
+    after = record.cpu_seconds()
+    assert after is not None and after[1] > before[1], "own and children's CPU time counted"
+    other = record.other_cpu_seconds(before, after)
+    assert other is not None and other >= 0.0
+    assert other <= (after[0] - before[0]), "never more than the machine was busy"
+    assert record.other_cpu_seconds(None, after) is None
+
+
+@pytest.mark.unit
 def test_peak_sampler_keeps_high_water_marks_and_drops_closed_engines():
     values = iter([10, 30, 20])
     closed = {"yes": False}
@@ -203,6 +228,12 @@ def test_report_names_run_and_commit_and_marks_older_code(tmp_path):
     elsewhere = "0" * 40
     write(tmp_path, ttft_record("20260301T000000Z-x", elsewhere, "2026-03-01T00:00:00+00:00"))
     assert "not in this history" in report.generate(ROOT, tmp_path)[report.RESULTS_MD]
+    # where the record measured other processes' CPU time, that decides the flag and the words
+    write(tmp_path, ttft_record("20260401T000000Z-cpu", head, "2026-04-01T00:00:00+00:00",
+                                load=record.load_state((2.0,) * 3, (2.5,) * 3, 2.6, 2, other_cpu_s=30.0, wall_s=60.0)))
+    results = report.generate(ROOT, tmp_path)[report.RESULTS_MD]
+    assert "other processes used 25% of the CPU during the run: times suspect" in results
+    assert "Other processes used 30 s of CPU time, 25.0% of the 2 cores' time: **above the 10% limit" in results
 
 
 @pytest.mark.unit

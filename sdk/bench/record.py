@@ -11,8 +11,12 @@ the benchmark's own payload (its ``rows``, with the raw repeats and min/median/m
   ``date`` (UTC, start), ``wall_s``, ``dtypes``, ``quick`` (a smoke run: never published);
 - ``machine``: CPU model and the flags that decide fp32/bf16 speed, cores, memory, torch version
   and threads, Python;
-- ``load``: 1/5/15-minute load averages before and after, the highest 1-minute average seen while
-  it ran, and ``overloaded`` when that exceeded the core count (the numbers are then suspect);
+- ``load``: 1/5/15-minute load averages before and after and the highest 1-minute average seen while
+  it ran (the run's own threads count in these); ``other_cpu_s`` / ``other_cpu_share``: the CPU time
+  that processes other than this one and its waited-for children used while it ran (steal time of
+  the VM included), and its share of the cores' time; ``overloaded`` when that share exceeded
+  ``OTHER_CPU_LIMIT`` (the numbers are then suspect). Where the CPU time cannot be read (not Linux),
+  ``overloaded`` falls back to the load average exceeding the core count;
 - ``memory``: process peak RSS (``ru_maxrss`` and ``VmHWM``; of this process, its whole life, model
   load included; waited-for children separately, an upper bound), and ``peak_kv_bytes``: the KV pool high-water mark sampled
   every ``SAMPLE_S`` while the benchmark ran (the sum over the engines it watched; None when the
@@ -39,6 +43,9 @@ from typing import Any
 
 SCHEMA = 1
 SAMPLE_S = 0.05
+# Share of the cores' time other processes may take during a run before its times are suspect: the
+# kernel's own threads and the shell take well under 1% on an idle machine.
+OTHER_CPU_LIMIT = 0.10
 REPO_ROOT = Path(__file__).resolve().parents[2]
 META_KEYS = ("schema", "benchmark", "run_id", "command", "git", "date", "wall_s", "dtypes", "quick", "partial",
              "machine", "load", "memory")
@@ -166,13 +173,41 @@ def watch_kv(name: str, poll: Poll) -> None:
         _active[-1].sampler.add(name, poll)
 
 
-def load_state(before: tuple[float, ...], after: tuple[float, ...], max_during: float,
-               cores: int | None) -> dict[str, Any]:
-    """The ``load`` block: averages before/after, the highest seen, and whether it exceeded the cores."""
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine has been busy since boot, steal time included; CPU seconds of
+    this process and its waited-for children). None where /proc/stat cannot be read."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    fields += [0] * (8 - len(fields))
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    own = os.times()
+    return ((user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"),
+            own.user + own.system + own.children_user + own.children_system)
+
+
+def other_cpu_seconds(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """CPU time used between two :func:`cpu_seconds` readings by everything but this process and its
+    waited-for children (a child still running when ``after`` is read counts as other work)."""
+    if before is None or after is None:
+        return None
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1]))
+
+
+def load_state(before: tuple[float, ...], after: tuple[float, ...], max_during: float, cores: int | None,
+               other_cpu_s: float | None = None, wall_s: float | None = None) -> dict[str, Any]:
+    """The ``load`` block: averages before/after, the highest seen, the CPU time other processes used, and
+    whether the run was overloaded: by that CPU time where measured, else by the load average."""
     highest = max(max_during, before[0], after[0])
-    return {"before": [round(x, 2) for x in before], "after": [round(x, 2) for x in after],
-            "max_1min_during": round(highest, 2), "cores": cores,
-            "overloaded": bool(cores) and highest > cores}
+    state: dict[str, Any] = {"before": [round(x, 2) for x in before], "after": [round(x, 2) for x in after],
+                             "max_1min_during": round(highest, 2), "cores": cores,
+                             "overloaded": bool(cores) and highest > cores}
+    if other_cpu_s is not None and cores and wall_s:
+        share = other_cpu_s / (cores * wall_s)
+        state.update(other_cpu_s=round(other_cpu_s, 1), other_cpu_share=round(share, 4),
+                     overloaded=share > OTHER_CPU_LIMIT)
+    return state
 
 
 class Recording:
@@ -190,6 +225,7 @@ class Recording:
         self.sampler = PeakSampler()
         self.date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         self.load_before = os.getloadavg()
+        self.cpu_before = cpu_seconds()
         self.started = time.perf_counter()
 
     @classmethod
@@ -214,11 +250,14 @@ class Recording:
         memory: dict[str, Any] = dict(process_memory())
         memory["peak_kv_bytes"] = self.sampler.total if self.sampler.peak else None
         memory["peak_kv_bytes_by_engine"] = dict(self.sampler.peak)
+        wall_s = time.perf_counter() - self.started
+        other = other_cpu_seconds(self.cpu_before, cpu_seconds())
         return {
             "schema": SCHEMA, "benchmark": self.benchmark, "run_id": self.run_id, "command": self.command,
-            "git": self.git, "date": self.date, "wall_s": time.perf_counter() - self.started,
+            "git": self.git, "date": self.date, "wall_s": wall_s,
             "dtypes": dtypes, "quick": self.quick, "partial": partial, "machine": machine,
-            "load": load_state(self.load_before, os.getloadavg(), self.sampler.max_load, machine["cores"]),
+            "load": load_state(self.load_before, os.getloadavg(), self.sampler.max_load, machine["cores"],
+                               other, wall_s),
             "memory": memory,
         }
 

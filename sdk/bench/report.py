@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbaton.bench.headline import headline, reasons, targets
-from kvbaton.bench.record import REPO_ROOT
+from kvbaton.bench.record import OTHER_CPU_LIMIT, REPO_ROOT
 
 Record = dict[str, Any]
 RECORDS_DIR = Path("benchmarks") / "records"
@@ -100,8 +100,13 @@ def staleness(rec: Record, root: Path) -> str:
 def provenance(rec: Record, stale: str) -> str:
     git = rec.get("git") or {}
     load = rec.get("load") or {}
-    busy = (f"; **load above the {load.get('cores')} cores during the run (highest 1-minute load "
-            f"{load.get('max_1min_during')}): times suspect**" if load.get("overloaded") else "")
+    if not load.get("overloaded"):
+        busy = ""
+    elif "other_cpu_share" in load:
+        busy = f"; **other processes used {load['other_cpu_share']:.0%} of the CPU during the run: times suspect**"
+    else:
+        busy = (f"; **load above the {load.get('cores')} cores during the run (highest 1-minute load "
+                f"{load.get('max_1min_during')}): times suspect**")
     return f"run `{rec['run_id']}`, commit `{git.get('short') or '?'}`{stale}{busy}"
 
 
@@ -124,8 +129,14 @@ def run_header(rec: Record, stale: str) -> str:
     if load:
         text = (f"- Load average (1/5/15 min) before {' / '.join(map(str, load['before']))}, after "
                 f"{' / '.join(map(str, load['after']))}, highest 1-minute value during the run {load['max_1min_during']}")
-        text += (f": **above the {load['cores']} cores, other work competed with this run; treat its times as suspect.**"
-                 if load.get("overloaded") else f" (within the {load['cores']} cores).")
+        if "other_cpu_share" in load:  # the load average counts the run's own threads: CPU time decides
+            text += (f" (the run's own threads count in it). Other processes used {load['other_cpu_s']:g} s of CPU "
+                     f"time, {load['other_cpu_share']:.1%} of the {load['cores']} cores' time")
+            text += (f": **above the {OTHER_CPU_LIMIT:.0%} limit, other work competed with this run; treat its times "
+                     "as suspect.**" if load.get("overloaded") else f" (within the {OTHER_CPU_LIMIT:.0%} limit).")
+        else:
+            text += (f": **above the {load['cores']} cores, other work competed with this run; treat its times as "
+                     "suspect.**" if load.get("overloaded") else f" (within the {load['cores']} cores).")
         lines.append(text)
     if mem:
         kv = mem.get("peak_kv_bytes")
