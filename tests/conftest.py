@@ -1,4 +1,5 @@
-"""Shared fixtures: one real SmolLM2 per test session (per worker under `make test`'s pytest-xdist), fresh engines (cheap) per test; the test tiers.
+"""Shared fixtures: one real SmolLM2 per test session (per worker under `make test`'s pytest-xdist),
+fresh engines (cheap) per test; the test tiers.
 
 Tiers (``make test-unit``, ``test-model``, ``test-server``; ``make test`` runs all three):
 
