@@ -39,6 +39,9 @@ class SeqAttention:
     mask: torch.Tensor | None  # [q_len, kv_len] bool, None when plain causal or single query
     causal: bool  # new tokens are the whole sequence: SDPA's causal flag is exact
     prefix: int = 0  # split attention (CPU): cached tokens seen unmasked, then causal over the new ones
+    # Explicit ascending positions of the new tokens among ``read_slots`` (selective recomputation); ``mask``
+    # says the same for SDPA, the fused kernel takes these instead.
+    positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -82,6 +85,7 @@ def build_sparse_attention(pool: BlockPool, blocks: list[int], q_start: int, pos
         read_slots=read,
         mask=torch.arange(end, device=pool.device)[None, :] <= pos[:, None],
         causal=False,
+        positions=pos,
     )
 
 
@@ -108,9 +112,9 @@ def paged_attention_forward(
         q_end = seq.q_start + seq.q_len
         # query/key/value: [1, heads, packed_tokens, head_dim]; the model has already applied RoPE.
         pool.write(layer, seq.write_slots, key[0, :, seq.q_start : q_end], value[0, :, seq.q_start : q_end])
-        if seq.mask is None and (fused := prefill.attention(query[0, :, seq.q_start : q_end], pool, layer,
-                                                            seq.read_slots, scaling)) is not None:
-            outputs.append(fused)  # kvbaton's causal kernel over the pool (CPU, fp32): no read, no split
+        if (seq.mask is None or seq.positions is not None) and (fused := prefill.attention(
+                query[0, :, seq.q_start : q_end], pool, layer, seq.read_slots, scaling, seq.positions)) is not None:
+            outputs.append(fused)  # kvbaton's causal kernel over the pool (CPU, fp32): no read, no split, no mask
             continue
         k, v = pool.read(layer, seq.read_slots)
         if seq.prefix:

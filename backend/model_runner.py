@@ -3,8 +3,9 @@
 Each chunk is a run of new tokens of one sequence whose earlier tokens are already in the pool.
 All chunks are concatenated into a single ``[1, total_tokens]`` input (prefill chunks and decode
 steps alike), so the weights are read once per step for every sequence in it. A batch of decode
-steps only (one new token per sequence) goes through the fused decode step instead
-(``fast_decode``), which skips the Hugging Face module stack.
+steps only (one new token per sequence), or of chunks of a few tokens in all (fp32: a turn's short
+tail, a handful of recomputed tokens), goes through the fused decode step instead (``fast_decode``),
+which skips the Hugging Face module stack and reads the weights at close to memory bandwidth.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ class ModelRunner:
     def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
         """Write the chunks' K/V into the pool; return fp32 logits per chunk: ``[vocab]`` for its last
         token, or ``[tokens, vocab]`` when the chunk asks for all of them."""
-        if self.fast is not None and all(len(c.token_ids) == 1 and not c.all_logits for c in chunks):
-            logits = self.fast.forward([c.blocks for c in chunks], [c.start for c in chunks],
-                                       [c.token_ids[0] for c in chunks])
-            return _separate(list(logits))
+        if self.fast is not None and not any(c.all_logits for c in chunks):
+            rows = sum(len(c.token_ids) for c in chunks)
+            if all(len(c.token_ids) == 1 for c in chunks) or rows <= self.fast.small_chunk_rows:
+                return self._fused_rows(self.fast, chunks)
         input_ids: list[int] = []
         positions: list[int] = []
         seqs = []
@@ -77,6 +78,22 @@ class ModelRunner:
         # Usually only the last token of each chunk needs logits: skip the LM head everywhere else.
         logits = self._model.lm_head(hidden[0, torch.tensor(rows, device=self._device)]).float()
         return _separate([logits[a:b] if every else logits[a] for a, b, every in spans])
+
+    @staticmethod
+    def _fused_rows(fast: FastDecoder, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
+        """Decode steps, and chunks of a few tokens, as rows of one fused step (see ``FastDecoder``)."""
+        blocks: list[Sequence[int]] = []
+        positions: list[int] = []
+        tokens: list[int] = []
+        last: list[int] = []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            blocks.extend([chunk.blocks] * n)
+            positions.extend(chunk.positions if chunk.positions is not None else range(chunk.start, chunk.start + n))
+            tokens.extend(chunk.token_ids)
+            last.append(len(tokens) - 1)
+        logits = fast.forward(blocks, positions, tokens)
+        return _separate([logits[i] for i in last] if len(last) < len(tokens) else list(logits))
 
     @torch.inference_mode()
     def deviation(self, blocks: Sequence[int], start: int, token_ids: Sequence[int]) -> torch.Tensor:

@@ -13,7 +13,9 @@ engine's model instance (never the class, never the reference model transformers
   are one pass of a kvbaton kernel each (:mod:`.kernels`), threaded over the rows;
 - the paged attention (:mod:`.attention`) of a chunk of new tokens is kvbaton's causal flash kernel
   (:func:`attention`), reading K/V straight from the pool, the query heads of a GQA group sharing
-  every K/V tile, with no mask and no log-sum-exp merge for chunks behind cached tokens.
+  every K/V tile, with no mask and no log-sum-exp merge for chunks behind cached tokens; tokens
+  recomputed at scattered positions among cached ones (a blended segment) use the same kernel, each
+  query limited to the keys up to its own position, instead of SDPA with a dense mask.
 
 The modules' structure, weights, norms, rotary cos/sin and attention scale all still come from the
 Hugging Face definition; a patched layer is checked against the original one at install time and
@@ -280,10 +282,12 @@ def install(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def attention(query: torch.Tensor, pool: Any, layer: int, read_slots: torch.Tensor | slice,
-              scaling: float | None) -> torch.Tensor | None:
+              scaling: float | None, positions: torch.Tensor | None = None) -> torch.Tensor | None:
     """Causal attention of a chunk's queries ``[heads, q_len, d]`` over its K/V in the pool (``read_slots``:
-    its whole context, the chunk's own tokens last; query i sees the first ``kv_len - q_len + i + 1``);
-    ``[1, heads, q_len, d]``. None when kvbaton's kernel does not apply (the caller uses SDPA)."""
+    its whole context, the chunk's own tokens last; query i sees the first ``kv_len - q_len + i + 1``), or,
+    with ``positions`` (ascending, the last one ``kv_len - 1``), of queries scattered among the cached
+    tokens, query i seeing keys ``0..positions[i]`` (selective recomputation); ``[1, heads, q_len, d]``.
+    None when kvbaton's kernel does not apply (the caller uses SDPA)."""
     if not _enabled() or query.dtype != torch.float32 or query.device.type != "cpu" or query.shape[1] < 2:
         return None
     library = kernel_library.load()
@@ -295,6 +299,7 @@ def attention(query: torch.Tensor, pool: Any, layer: int, read_slots: torch.Tens
         slots, first, kv_len = read_slots.contiguous(), 0, read_slots.numel()
     d = query.shape[-1]
     scale = scaling if scaling is not None else d**-0.5
-    out = library.prefill_attention(query.transpose(0, 1), pool.k, pool.v, layer, slots, first, kv_len, scale)
+    where = _NO_SLOTS if positions is None else positions.contiguous()
+    out = library.prefill_attention(query.transpose(0, 1), pool.k, pool.v, layer, slots, first, kv_len, scale, where)
     return out.transpose(0, 1).unsqueeze(0)
 

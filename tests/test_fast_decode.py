@@ -9,6 +9,7 @@ import threading
 import weakref
 
 import pytest
+import torch
 from conftest import dense_greedy
 from kvbaton import SamplingParams
 from kvbaton.backend import Engine
@@ -39,6 +40,26 @@ def test_fast_decode_matches_the_models_own_forward_and_transformers(engine, ref
             assert fast == dense_greedy(reference, prompt, GREEDY.max_tokens)[0]
     finally:
         eager.close()
+
+
+@pytest.mark.parametrize("new", [2, 5, fd.SMALL_CHUNK_ROWS])
+def test_a_chunk_of_a_few_tokens_runs_as_fused_rows_with_the_modules_logits(engine, reference, corpus_tokens,
+                                                                            monkeypatch, new):
+    """A short tail behind cached tokens (a turn's new message, a few recomputed tokens) runs as rows of the
+    fused step, each row seeing the positions up to its own: the logits of plain transformers."""
+    rows = []
+    original = engine.runner.fast.forward
+    monkeypatch.setattr(engine.runner.fast, "forward", lambda b, p, t: rows.append(len(t)) or original(b, p, t))
+    prompt, suffix = corpus_tokens[:300], corpus_tokens[300 : 300 + new]
+    handle = engine.materialize(prompt)
+    try:
+        logits = engine.next_token_logits(handle, suffix)
+    finally:
+        engine.release(handle)
+    assert new in rows
+    dense = reference(torch.tensor([prompt + suffix]), logits_to_keep=1).logits[0, -1].float()
+    assert torch.max(torch.abs(logits - dense)).item() < 1e-4
+    assert int(logits.argmax()) == int(dense.argmax())
 
 
 def test_decode_weights_are_built_once_per_model(engine):

@@ -187,6 +187,40 @@ def test_prefill_attention_matches_causal_sdpa_over_paged_blocks(lib, dtype, hea
     torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("total", "picked"), [(40, 2), (300, 45), (700, 130)])
+def test_prefill_attention_of_scattered_positions_matches_masked_sdpa(lib, dtype, total, picked):
+    """Tokens recomputed at scattered positions among cached ones: query i sees keys 0..positions[i]."""
+    g = torch.Generator().manual_seed(total + picked)
+    blocks = 60
+    k_pool = torch.randn(2, KV_HEADS, blocks * BLOCK, D, generator=g).to(dtype)
+    v_pool = torch.randn(2, KV_HEADS, blocks * BLOCK, D, generator=g).to(dtype)
+    order = torch.randperm(blocks, generator=g)
+    slots = (order[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:total].contiguous()
+    positions = torch.cat((torch.randperm(total - 1, generator=g)[: picked - 1].sort().values,
+                           torch.tensor([total - 1])))  # ascending, the last at kv_len - 1
+    q = torch.randn(picked, HEADS, D, generator=g)
+    mask = torch.arange(total)[None, :] <= positions[:, None]
+    scale = D**-0.5
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_pool[1][:, slots].float()[None],
+                                              v_pool[1][:, slots].float()[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=True)[0].transpose(0, 1)
+    got = lib.prefill_attention(q, k_pool, v_pool, 1, slots, 0, total, scale, positions)
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_prefill_attention_refuses_positions_that_do_not_ascend_to_the_last_key(lib):
+    k_pool, v_pool, _ = _paged(torch.float32, [20], blocks=4)
+    q = torch.zeros(3, HEADS, D)
+    none = torch.empty(0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="positions must ascend"):
+        lib.prefill_attention(q, k_pool, v_pool, 0, none, 0, 10, 0.125, torch.tensor([4, 2, 9]))
+    with pytest.raises(RuntimeError, match="positions must end at kv_len - 1"):
+        lib.prefill_attention(q, k_pool, v_pool, 0, none, 0, 10, 0.125, torch.tensor([1, 2, 3]))
+    with pytest.raises(RuntimeError, match=r"positions must be \[n\] int64"):
+        lib.prefill_attention(q, k_pool, v_pool, 0, none, 0, 10, 0.125, torch.tensor([9]))
+
+
 def test_prefill_attention_refuses_out_of_range_slots(lib):
     k_pool, v_pool, _ = _paged(torch.float32, [20], blocks=4)
     q = torch.zeros(3, HEADS, D)

@@ -59,6 +59,36 @@ def test_the_attention_kernel_runs_for_prefill_chunks(engine, corpus_tokens, mon
     assert calls and not any(calls)
 
 
+def test_tokens_recomputed_at_scattered_positions_use_the_kernel_and_match_sdpa(engine, corpus_tokens, monkeypatch):
+    """Selective recomputation (a blended segment): tokens at ascending positions among cached ones, each
+    seeing the keys up to its own position, through kvbaton's kernel instead of SDPA with a dense mask."""
+    from kvbaton.backend.model_runner import Chunk
+
+    calls = []
+    original = prefill.attention
+
+    def seen(query, pool, layer, read_slots, scaling, positions=None):
+        calls.append(positions)
+        return original(query, pool, layer, read_slots, scaling, positions)
+
+    monkeypatch.setattr(prefill, "attention", seen)
+    tokens = corpus_tokens[:700]
+    blocks = engine.pool.allocate(700 // engine.pool.block_size + 1)
+    try:
+        engine.runner.forward([Chunk(blocks, 0, tokens)])
+        positions = list(range(40, 700, 23))
+        picked = Chunk(blocks, positions[0], [tokens[p] for p in positions], all_logits=True, positions=positions)
+        calls.clear()
+        fused = engine.runner.forward([picked])[0]
+        assert calls and all(p is not None and p.tolist() == positions for p in calls)
+        with prefill.disabled():
+            plain = engine.runner.forward([picked])[0]
+    finally:
+        engine.pool.decref(blocks)
+    assert torch.max(torch.abs(fused - plain)).item() < 1e-4
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+
+
 def _fresh_model():
     name, path = resolve_model(None)
     return _load(name, path, torch.float32, torch.device("cpu"), "kvbaton_paged").model

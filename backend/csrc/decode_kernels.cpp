@@ -10,7 +10,8 @@
 //     grouped query heads share each K/V load, long contexts split into chunks merged by their
 //     log-sum-exp (so both cores work on one sequence);
 //   - rms_norm / add_rms_norm / rope_write / silu_mul: the small per-layer ops, one call each;
-//   - prefill: prefill_attention (causal flash attention of a chunk over its paged K/V, GQA groups
+//   - prefill: prefill_attention (causal flash attention of a chunk, or of tokens scattered among cached
+//     ones, over its paged K/V, GQA groups
 //     sharing K/V tiles) and rope_inplace; silu_mul splits many rows across threads.
 // Activations are fp32; weights and the KV pool are fp32 or bf16 (converted on load).
 //
@@ -626,10 +627,13 @@ __attribute__((noinline)) void value_tile(const float* p, int64_t keys, const fl
 template <typename KV, int DV>
 void prefill_attention_impl(const float* q, int64_t q_tok, int64_t q_head, const KV* kp, const KV* vp, int64_t layer,
                             const int64_t* slots, int64_t first_slot, int64_t kv_len, int64_t n, int64_t heads,
-                            int64_t kv_heads, int64_t pool_slots, float scale, float* out) {
+                            int64_t kv_heads, int64_t pool_slots, float scale, const int64_t* positions, float* out) {
   constexpr int64_t d = DV * kLanes;
   constexpr int VMR = DV == 4 ? kMR : 2;  // rows per value micro-tile: its accumulators fit the registers
   const int64_t group = heads / kv_heads, start = kv_len - n;
+  // The position of query i among the keys (it sees keys 0..at(i)): the last n positions, or the
+  // given ascending ones (selective recomputation: queries scattered among cached tokens).
+  auto at = [&](int64_t i) { return positions != nullptr ? positions[i] : start + i; };
   const int64_t tiles = (kv_len + kBK - 1) / kBK, padded = tiles * kBK;
   // The sequence's K (transposed per key tile, [g][tile][d][64]) and V ([g][key][d]) in fp32, zero
   // padded to whole tiles: gathered once through the slots, shared by every query block.
@@ -667,20 +671,20 @@ void prefill_attention_impl(const float* q, int64_t q_tok, int64_t q_head, const
       for (int64_t h = 0; h < group; ++h)  // row h * np + i: query head g * group + h at position i0 + i
         for (int64_t i = 0; i < np; ++i) {
           std::memcpy(qt.data() + (h * np + i) * d, q + (i0 + i) * q_tok + (g * group + h) * q_head, d * sizeof(float));
-          limit[h * np + i] = start + i0 + i;
+          limit[h * np + i] = at(i0 + i);
         }
       for (int64_t r = rows; r < prows; ++r) {  // padding rows: zero queries, never written out
         std::memset(qt.data() + r * d, 0, d * sizeof(float));
-        limit[r] = start + i0;
+        limit[r] = at(i0);
       }
       std::fill(acc.begin(), acc.begin() + prows * d, 0.f);
       std::fill(m.begin(), m.begin() + prows, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + prows, 0.f);
-      const int64_t last = start + i0 + np - 1;  // the block's last query sees keys 0..last
+      const int64_t last = at(i0 + np - 1);  // the block's last query sees keys 0..last
       const float* kt_g = kt.get() + g * tiles * d * kBK;
       const float* v_g = vg.get() + g * padded * d;
       for (int64_t tile = 0, k0 = 0; k0 <= last; ++tile, k0 += kBK) {
-        const bool masked = k0 + kBK - 1 > start + i0;  // some key of the tile is past some row's limit
+        const bool masked = k0 + kBK - 1 > at(i0);  // some key of the tile is past some row's limit
         const int64_t keys = std::min(kBK, last + 1 - k0);
         for (int64_t r = 0; r < prows; r += kMR)
           score_tile<kMR>(qt.data() + r * d, d, kt_g + tile * d * kBK, scale, k0, masked, limit.data() + r,
@@ -700,11 +704,12 @@ void prefill_attention_impl(const float* q, int64_t q_tok, int64_t q_head, const
 }
 
 // q: [n, heads, d] fp32 (any strides, d contiguous), the queries of the last n of kv_len tokens, already
-// rotated; their K/V (and every earlier token's) are in the pool at `slots` ([kv_len] int64), or at
-// first_slot.. when slots is empty. Returns [n, heads, d].
+// rotated, or of the ascending `positions` ([n] int64, the last one kv_len - 1) when given; their K/V
+// (and every other token's up to kv_len) are in the pool at `slots` ([kv_len] int64), or at first_slot..
+// when slots is empty. Query i sees keys 0..its position. Returns [n, heads, d].
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                 int64_t layer, const torch::Tensor& slots, int64_t first_slot, int64_t kv_len,
-                                double scale) {
+                                double scale, const torch::Tensor& positions) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 3 && q.stride(2) == 1 && q.device().is_cpu(),
               "q must be fp32 [n, heads, head_dim] with contiguous head_dim");
   check_pools(k_pool, v_pool);
@@ -721,25 +726,33 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_p
   } else {
     TORCH_CHECK(first_slot >= 0 && first_slot + kv_len <= pool_slots, "slots out of range");
   }
+  const int64_t* pos = nullptr;
+  if (positions.numel() > 0) {
+    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == n,
+                "positions must be [n] int64");
+    pos = ptr<int64_t>(positions);
+    TORCH_CHECK(pos[0] >= 0 && pos[n - 1] == kv_len - 1, "positions must end at kv_len - 1");
+    for (int64_t i = 1; i < n; ++i) TORCH_CHECK(pos[i] > pos[i - 1], "positions must ascend");
+  }
   auto out = torch::empty({n, heads, d}, q.options());
   const float s = static_cast<float>(scale);
   if (k_pool.scalar_type() == torch::kBFloat16) {
     auto k = ptr<c10::BFloat16>(k_pool), v = ptr<c10::BFloat16>(v_pool);
     if (d == 64)
       prefill_attention_impl<c10::BFloat16, 4>(ptr<float>(q), q.stride(0), q.stride(1), k, v, layer, sl, first_slot,
-                                               kv_len, n, heads, kv_heads, pool_slots, s, ptr<float>(out));
+                                               kv_len, n, heads, kv_heads, pool_slots, s, pos, ptr<float>(out));
     else
       prefill_attention_impl<c10::BFloat16, 8>(ptr<float>(q), q.stride(0), q.stride(1), k, v, layer, sl, first_slot,
-                                               kv_len, n, heads, kv_heads, pool_slots, s, ptr<float>(out));
+                                               kv_len, n, heads, kv_heads, pool_slots, s, pos, ptr<float>(out));
   } else {
     TORCH_CHECK(k_pool.scalar_type() == torch::kFloat32, "pool must be fp32 or bf16");
     auto k = ptr<float>(k_pool), v = ptr<float>(v_pool);
     if (d == 64)
       prefill_attention_impl<float, 4>(ptr<float>(q), q.stride(0), q.stride(1), k, v, layer, sl, first_slot, kv_len,
-                                       n, heads, kv_heads, pool_slots, s, ptr<float>(out));
+                                       n, heads, kv_heads, pool_slots, s, pos, ptr<float>(out));
     else
       prefill_attention_impl<float, 8>(ptr<float>(q), q.stride(0), q.stride(1), k, v, layer, sl, first_slot, kv_len,
-                                       n, heads, kv_heads, pool_slots, s, ptr<float>(out));
+                                       n, heads, kv_heads, pool_slots, s, pos, ptr<float>(out));
   }
   return out;
 }
@@ -757,5 +770,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "decode attention over paged K/V");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of many rows, vectorized and threaded (prefill)");
   m.def("rope_inplace", &rope_inplace, "rotate the q and k heads of qkv rows in place");
-  m.def("prefill_attention", &prefill_attention, "causal attention of new tokens over paged K/V");
+  m.def("prefill_attention", &prefill_attention, "causal attention of new (or scattered) tokens over paged K/V",
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("layer"), py::arg("slots"), py::arg("first_slot"),
+        py::arg("kv_len"), py::arg("scale"), py::arg("positions") = torch::empty({0}, torch::kInt64));
 }
