@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvbaton.backend.spans import MIN_SPAN
 from kvbaton.bench.spread import cell
 
 Record = dict[str, Any]
@@ -275,7 +276,8 @@ def _agents_reasons(rec: Record) -> list[str]:
                 continue
             line = (f"why (downstream reuse, {name} {dtype}): auto recomputes the most-deviating tokens of every "
                     "re-aligned segment, and a whole segment when the answer looks unsure; those tokens count "
-                    "as prefilled")
+                    f"as prefilled, as do spans shorter than {MIN_SPAN} tokens (the span index's minimum: a "
+                    "short answer quoted by the next agent)")
             if rotate is not None and "run_detail" in rotate:
                 rshare, _ = _reuse_share(_downstream(rotate, name))
                 line += f". Rotate, which recomputes none, reused {_pct(rshare)} in the same run"
