@@ -9,9 +9,13 @@ chunk at a time by its request, so it delays the decodes of others by at most on
 with no other request active goes in chunks as large as the token budget, since splitting it
 further would only cost (smaller matrix products, attention re-reading the cached part).
 
-Background work (the fidelity audit's dense checks: :meth:`Scheduler.background`) runs only while no
-request is waiting or active, in chunks of at most ``background_chunk`` tokens, so a request that
-arrives meanwhile waits for one small chunk at most, and a busy engine simply runs no checks.
+Background work (the fidelity audit's dense checks: :meth:`Scheduler.background`) runs only once no
+request has been waiting or active for ``background_quiet_s``, in chunks of at most
+``background_chunk`` tokens, so a request that arrives meanwhile waits for one small chunk at most,
+and a busy engine simply runs no checks. The quiet period matters: a request's own steps leave
+millisecond gaps (its placement work between forwards, an agent workflow starting the next turn),
+and background chunks taken in those gaps landed on the request path (in the agents benchmark, the
+debate turns that ran beside a check were the slowest of their run).
 
 Forwards never run under the engine lock: a request only submits work for blocks it owns (written
 ones are private, thanks to copy-on-write) or pins (read ones), so eviction and prefetch can go on
@@ -21,6 +25,7 @@ meanwhile. All forwards run on this one thread, which is what serializes them.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,12 +48,14 @@ class _Work:
 class Scheduler:
     def __init__(
         self, runner: ModelRunner, max_batch_tokens: int = 2048, max_batch_seqs: int = 64, gather_s: float = 0.003,
-        background_chunk: int = 128,
+        background_chunk: int = 128, background_quiet_s: float = 0.25,
     ) -> None:
         self._runner = runner
         self.runner = runner
         self.gather_s = gather_s
         self.background_chunk = background_chunk
+        self.background_quiet_s = background_quiet_s
+        self._last_foreground = time.monotonic()  # when a request last submitted, finished work or left
         # Requests inside their decode loop ("decoding") or a prefill of several chunks ("prefilling");
         # background threads count as "background" whatever they do, so requests never wait for them.
         self._active: Counter[str] = Counter()
@@ -115,7 +122,11 @@ class Scheduler:
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            (self._background if self.in_background() else self._pending).append(work)
+            if self.in_background():
+                self._background.append(work)
+            else:
+                self._pending.append(work)
+                self._last_foreground = time.monotonic()
             self._cv.notify()
         work.done.wait()
         if work.error is not None:
@@ -133,9 +144,25 @@ class Scheduler:
     def mean_sequences(self) -> float:
         return self.sequences / self.forwards if self.forwards else 0.0
 
+    def _quiet_left(self) -> float | None:
+        """Seconds until background work may run: None while a request is waiting or active, else
+        what remains of the quiet period since the last one (condition held)."""
+        if self._pending or self._active["decoding"] or self._active["prefilling"]:
+            return None
+        return self._last_foreground + self.background_quiet_s - time.monotonic()
+
     def _idle(self) -> bool:
-        """No request waiting or active: background work may run (condition held)."""
-        return not self._pending and self._active["decoding"] == 0 and self._active["prefilling"] == 0
+        """No request waiting or active for the quiet period: background work may run (condition held)."""
+        left = self._quiet_left()
+        return left is not None and left <= 0
+
+    def _wait_for_work(self) -> None:
+        """Until a request's work is waiting, background work may run, or the scheduler closes."""
+        while not (self._pending or self._closed):
+            left = self._quiet_left() if self._background else None
+            if left is not None and left <= 0:
+                return
+            self._cv.wait(timeout=left)
 
     def _take(self) -> list[_Work]:
         batch: list[_Work] = []
@@ -154,7 +181,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._pending or (self._background and self._idle()) or self._closed)
+                self._wait_for_work()
                 # Decoding requests come back a moment after their last step (sampling, text):
                 # wait briefly for all of them, so a step runs once for everyone, not in pieces.
                 self._cv.wait_for(
@@ -180,6 +207,9 @@ class Scheduler:
                 for work in batch:
                     work.error = exc
             finally:
+                if not background:
+                    with self._cv:
+                        self._last_foreground = time.monotonic()
                 self.forwards += 1
                 self.background_forwards += background
                 self.sequences += len(batch)
@@ -204,4 +234,6 @@ class _Active:
     def __exit__(self, *exc: object) -> None:
         with self._scheduler._cv:
             self._scheduler._active[self._activity] -= 1
+            if self._activity != "background":
+                self._scheduler._last_foreground = time.monotonic()
             self._scheduler._cv.notify()  # the engine may have become idle: background work may run

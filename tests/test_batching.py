@@ -120,6 +120,28 @@ def test_background_work_waits_until_no_request_is_active(chunking, reference, c
     assert foreground.token_ids == dense_greedy(reference, corpus_tokens[400:500], 2)[0]
 
 
+def test_background_work_waits_for_a_quiet_period_after_the_last_request(chunking, reference, corpus_tokens):
+    """The gaps between a request's own steps, or between an agent's turns, are not idleness: a check
+    waits until no request has come for ``background_quiet_s``."""
+    import threading
+
+    engine, _ = chunking
+    engine.scheduler.background_quiet_s = 3600.0
+    prompt = corpus_tokens[:200]
+    done: list[int] = []
+    check = threading.Thread(target=lambda: done.append(engine._dense_argmax(prompt)))
+    check.start()
+    for start in (400, 500):  # two turns, no request active in between
+        engine.complete(corpus_tokens[start : start + 80], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert check.is_alive() and engine.scheduler.background_forwards == 0
+
+    engine.scheduler.background_quiet_s = 0.0
+    engine.complete(corpus_tokens[600:610], SamplingParams(max_tokens=1))  # wakes the scheduler
+    check.join(timeout=120)
+    assert done == [dense_greedy(reference, prompt, 1)[0][0]]
+    assert engine.scheduler.background_forwards > 0
+
+
 def test_background_prompts_go_in_small_chunks_even_when_alone(chunking, reference, corpus_tokens):
     """A request may arrive at any moment: it waits for one small chunk of background work at most."""
     engine, sizes = chunking

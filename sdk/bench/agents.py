@@ -190,15 +190,23 @@ def run_variant(client: Any, variant: str, workloads: Sequence[Workload], sampli
         cold(client)
         held: list[Any] = []
         turns: list[dict[str, Any]] = []
+        background = _background_forwards(client)
         start = time.perf_counter()
         run_workload(wl, generate_fn(client, variant, sampling, reuse_kw, held, turns, kl),
                      teacher=None if teachers is None else teachers[wl.name])
         # KL measurements are not part of the workload's time.
         seconds = time.perf_counter() - start - sum(t["seconds_kl"] for t in turns if "seconds_kl" in t)
         client.release(held)
-        out["workloads"][wl.name] = {"seconds": seconds, "turns": turns}
+        out["workloads"][wl.name] = {"seconds": seconds, "turns": turns,
+                                     # the fidelity audit's forwards inside the timed run (it waits for a quiet engine)
+                                     "background_forwards": _background_forwards(client) - background}
     out["seconds"] = sum(w["seconds"] for w in out["workloads"].values())
     return out
+
+
+def _background_forwards(client: Any) -> int:
+    scheduler = getattr(client.engine, "scheduler", None)
+    return int(getattr(scheduler, "background_forwards", 0))
 
 
 # -- vLLM as a peer -------------------------------------------------------------------------------------
@@ -753,10 +761,13 @@ def _run_dtype(dtype: str, names: Sequence[str], repeats: int, tf_passes: int, m
                 r[f"speedup_vs_{ref}"] = other["end_to_end_s"] / r["end_to_end_s"] if other else None
             r["speedup_by_workload"] = {name: {f"vs_{ref}": by[ref][f"{name}_s"] / r[f"{name}_s"]
                                                for ref in ("text", "exact", "vllm") if ref in by} for name in names}
+        cold(cached)  # the last checks the audit sampled run (untimed), so its record below is complete
+        audit = getattr(cached.stats(), "audit", None)
         documents = {wl.name: len(cached.tokenize(wl.document)) for wl in base}
         personas = {wl.name: {a.name: len(cached.tokenize(a.persona)) for a in wl.agents.values()} for wl in base}
         return {"rows": rows, "reuse_supported": reuse_kw, "skipped_variants": skipped,
-                "document_tokens": documents, "persona_tokens": personas, "peer": peer_info}
+                "document_tokens": documents, "persona_tokens": personas, "peer": peer_info,
+                "audit": audit.model_dump() if audit is not None else None}
     finally:
         if peer is not None:
             peer.stop()
@@ -803,6 +814,7 @@ def run(dtypes: Sequence[str] = DEFAULT_DTYPES, names: Sequence[str] = tuple(WOR
         "skipped_variants": sorted({v for p in per_dtype.values() for v in p["skipped_variants"]}),
         "kl": {"measured": True, "reason": KL_NOTE},
         "peer": peer_record,
+        "audit": {d: p["audit"] for d, p in per_dtype.items()},
         "rows": [r for p in per_dtype.values() for r in p["rows"]],
     }
 
@@ -876,6 +888,14 @@ def notes(payload: dict[str, Any]) -> list[str]:
                          f"over {tf['turns']} reusing-agent turns ({tf['turns_approximated']} approximated) — "
                          + ("enough turns for a first-token claim" if enough else
                             f"**fewer than {payload.get('min_tf_turns', MIN_TF_TURNS)} turns: no first-token claim**"))
+    for dtype, audit in (payload.get("audit") or {}).items():
+        if audit:
+            inside = sum(w.get("background_forwards", 0) for r in payload["rows"] if r["dtype"] == dtype
+                         for w in r["run_detail"]["workloads"].values())
+            lines.append(f"{dtype}: the fidelity audit checked {audit['checked']} approximate answers against dense "
+                         f"prefill ({audit['agreed']} agreed, {audit['dropped']} dropped); it waits for a quiet engine, "
+                         f"so the checks ran between workloads, untimed ({inside} of its forwards fell inside the "
+                         "timed first repeat)")
     if payload.get("skipped_variants"):
         lines.append("not run: " + ", ".join(payload["skipped_variants"]) + " (this engine's generate() has no reuse= "
                      "keyword)")
