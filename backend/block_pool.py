@@ -14,7 +14,7 @@ a sequence's blocks consecutive in the common case.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -151,6 +151,14 @@ class BlockPool:
         """Store every layer's K/V (``[layers, kv_heads, tokens, head_dim]``) at ``slots``."""
         self.k[:, :, slots] = k.to(self.k.dtype)
         self.v[:, :, slots] = v.to(self.v.dtype)
+
+    def move_rows(self, src: torch.Tensor | slice, dst: torch.Tensor | slice,
+                  keys: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Copy every layer's K/V at ``src`` slots to (distinct) ``dst`` slots, the keys through ``keys``
+        (a RoPE shift), one layer at a time: a few MB in flight rather than a segment's whole K/V."""
+        for layer in range(self.k.shape[0]):
+            k, v = self.read(layer, src)
+            self.write(layer, dst, keys(k), v)
 
     def read(self, layer: int, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K/V at ``slots`` as ``[kv_heads, tokens, head_dim]``."""

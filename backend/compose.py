@@ -40,6 +40,7 @@ from .kv_manager import KVManager
 from .lifecycle import Lifecycle
 from .rotary import RopeShifter
 from .sequence import KVState
+from .spans import usable
 
 HandleLike = Handle | str
 MODES = ("auto", "blend", "rotate", "dense")
@@ -230,6 +231,55 @@ class Composer:
                                                          f"the rest: {report.reason}"})
         return report
 
+    def place_all(
+        self, state: KVState, spans: Sequence[tuple[KVState, int, int, int]], mode: str,
+    ) -> list[SegmentReport]:
+        """Place several segments of one prompt, each ``(source, start, end, offset)``, ascending and behind
+        ``state``'s cached tokens (sources pinned, lock not held), in ``"blend"`` or ``"rotate"`` mode: every
+        segment's K/V are moved into place and re-aligned first; then ONE pass of the first two layers over
+        everything after the cached tokens picks each blended segment's most-deviating tokens, and the
+        tokens between the segments ride along with those in the state's next forward (``stale``), with the
+        rest of the prompt. The K/V are those :meth:`place` one segment at a time would give (layer 0's K/V
+        depend on token and position only, so the selection sees the same inputs), but a prompt quoting
+        several short spans costs two passes, not one forward per gap and per span.
+
+        Falls back to :meth:`place` one by one where that is not the case (another mode, a blend ratio of
+        0, an unshiftable RoPE, a segment with the same tokens before it as in its source)."""
+        cfg = self.anchor_pool().config
+        begin = state.num_cached
+        plain = mode not in ("blend", "rotate") or (mode == "blend" and cfg.blend_ratio <= 0) \
+            or not self.shifter.shiftable() or any(
+                offset < begin or end > usable(src)
+                or (start == offset and src.token_ids[:start] == state.token_ids[:offset])
+                for src, start, end, offset in spans)
+        if plain or not spans:
+            return [self.place(state, i, src, start, end, offset, mode)
+                    for i, (src, start, end, offset) in enumerate(spans)]
+        stale: list[int] = []
+        for src, start, end, offset in spans:
+            stale.extend(range(state.num_cached, offset))  # the tokens before it: computed with the rest
+            state.num_cached = offset
+            self._kv.copy_rows(src, start, state, offset, end - start, self.shifter.rotation(start, offset, end - start))
+        if state.exact_len is None or state.exact_len > spans[0][3]:
+            state.exact_len = spans[0][3]
+        reports = []
+        if mode == "rotate":
+            for i, (src, start, end, offset) in enumerate(spans):
+                reports.append(self._report(i, src, start, end, offset, "rotated", "keys re-aligned to the new "
+                                            "positions; no correction (mode='rotate')", end - start, 0, state))
+        else:
+            deviation = self._life.deviation(state, begin, state.num_cached - begin)
+            for i, (src, start, end, offset) in enumerate(spans):
+                n = end - start
+                m = min(n, max(1, math.ceil(cfg.blend_ratio * n)))
+                picked = torch.topk(deviation[offset - begin : offset - begin + n], m).indices + offset
+                stale.extend(picked.tolist())
+                reports.append(self._report(
+                    i, src, start, end, offset, "blended", f"keys re-aligned to the new positions; the {m} of {n} "
+                    "tokens whose layer-1 values deviated most were recomputed behind the new prefix", n - m, 0, state))
+        self._life.recompute_at(state, sorted(stale))
+        return reports
+
     def _report(
         self, index: int, src: KVState, start: int, end: int, offset: int, outcome: str, reason: str, reused: int,
         cached: int, state: KVState, **extra: Any,
@@ -267,19 +317,19 @@ class Composer:
             return dense("mode='dense'")
         if not shifter.shiftable():
             return dense(f"RoPE type {shifter.rope_type!r} cannot be re-aligned exactly")
-        k, v = kv.read_rows(src, start, available)
         if mode == "rotate":
-            kv.write_rows(state, offset, shifter.shift(k, start, offset), v)
+            kv.copy_rows(src, start, state, offset, available, shifter.rotation(start, offset, available))
             return report("rotated", "keys re-aligned to the new positions; no correction (mode='rotate')", available)
         cfg = anchors.config
         if mode == "blend" and cfg.blend_ratio > 0:
-            kv.write_rows(state, offset, shifter.shift(k, start, offset), v)
+            kv.copy_rows(src, start, state, offset, available, shifter.rotation(start, offset, available))
             deviation = self._life.deviation(state, offset, available)
             m = min(available, max(1, math.ceil(cfg.blend_ratio * available)))
-            picked = sorted((torch.topk(deviation, m).indices + offset).tolist())
-            self._life.recompute_at(state, picked)
+            # Recomputed in the state's next forward, with the tokens after the segment (``Lifecycle``).
+            self._life.recompute_at(state, sorted((torch.topk(deviation, m).indices + offset).tolist()))
             return report("blended", f"keys re-aligned to the new positions; the {m} of {available} tokens whose "
                           "layer-1 values deviated most were recomputed behind the new prefix", available - m)
+        k, v = kv.read_rows(src, start, available)
         if cfg.chained:  # KVCMAS: the source agent's own cache is the reference
             ref_k, ref_v, ref_start, key = k, v, start, (slot, src.agent, state.agent)
         else:  # context-free reference: the segment prefilled on its own

@@ -317,10 +317,9 @@ class Engine:
             self.kv.pin(pinned)  # the sources may be released meanwhile: keep their K/V readable
         try:
             mode = "blend" if policy == "auto" else "rotate"
-            reports = [
-                self.composer.place(state, i, m.source, m.start, m.start + m.length, m.offset, mode)
-                for i, m in enumerate(found)
-            ]
+            reports = self.composer.place_all(
+                state, [(m.source, m.start, m.start + m.length, m.offset) for m in found], mode
+            )
             logits = self.requests.compute(state)
             approximated = [r.offset + r.tokens_cached for r in reports if r.outcome in ("rotated", "blended")]
             if approximated and policy == "auto":

@@ -254,12 +254,15 @@ class KVManager:
 
     # -- K/V rows -----------------------------------------------------------------------------
     def read_rows(self, state: KVState, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.read_rows(self._readable(state, start, n))
+
+    def _readable(self, state: KVState, start: int, n: int) -> torch.Tensor | slice:
         if state.id in self.spiller.spilled and start + n > state.num_cached:
             raise PoolExhausted(
                 f"handle {state.id} was spilled to make room in the KV pool: the handles made from it (resume, "
                 "extend, fork) get its K/V back, it does not keep them; read one of those, or release handles"
             )
-        return self.pool.read_rows(self.pool.slots(state.blocks, start, start + n))
+        return self.pool.slots(state.blocks, start, start + n)
 
     def write_rows(self, state: KVState, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K/V rows at the state's next uncached positions (blocks reserved, privately owned)."""
@@ -269,9 +272,14 @@ class KVManager:
         state.num_cached = start + n
         state.last_logits = None
 
-    def copy_rows(self, src: KVState, start: int, dst: KVState, offset: int, n: int) -> None:
-        k, v = self.read_rows(src, start, n)
-        self.write_rows(dst, offset, k, v)
+    def copy_rows(self, src: KVState, start: int, dst: KVState, offset: int, n: int,
+                  keys: Callable[[torch.Tensor], torch.Tensor] = lambda k: k) -> None:
+        """Rows ``start..`` of ``src`` become ``dst``'s next uncached positions ``offset..`` (blocks reserved,
+        privately owned), the keys passed through ``keys`` (a RoPE shift), layer by layer in the pool."""
+        assert offset == dst.num_cached
+        self.pool.move_rows(self._readable(src, start, n), self.pool.slots(dst.blocks, offset, offset + n), keys)
+        dst.num_cached = offset + n
+        dst.last_logits = None
 
     def fill(self, state: KVState, blocks: Iterable[tuple[torch.Tensor, torch.Tensor]], num_cached: int) -> None:
         """Give a fresh state the K/V of its first ``num_cached`` tokens, whole blocks in order, as

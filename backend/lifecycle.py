@@ -97,6 +97,7 @@ class Lifecycle:
     def register(self, state: KVState, reused: int | None = None) -> Handle:
         """Make a computed state a live handle, its exact blocks offered to the prefix cache.
         With ``reused``, its prompt's tokens are counted as reused / prefilled."""
+        assert not state.stale, "a state is registered only once its stale positions are recomputed"
         with self._lock:
             self._kv.insert(state)
             if reused is not None:
@@ -132,16 +133,16 @@ class Lifecycle:
         return logits
 
     def compute_until(self, state: KVState, until: int) -> torch.Tensor | None:
-        """Like :meth:`compute`, for positions up to ``until`` only (None: nothing was computed)."""
+        """Like :meth:`compute`, for positions up to ``until`` only (None: nothing was computed); the
+        state's stale positions are always recomputed, in the first chunk."""
         logits = state.last_logits if until == state.num_tokens else None
-        if until - state.num_cached <= self._scheduler.chunk_limit(self.prefill_chunk):  # decode steps, short prompts
-            if state.num_cached < until:
+        if until - state.num_cached + len(state.stale) <= self._scheduler.chunk_limit(self.prefill_chunk):
+            if state.num_cached < until or state.stale:  # decode steps, short prompts
                 logits = self._chunk(state, until)
         else:
             with self._scheduler.prefilling():
-                while state.num_cached < until:
-                    size = self._scheduler.chunk_tokens(self.prefill_chunk)
-                    logits = self._chunk(state, min(until, state.num_cached + size))
+                while state.num_cached < until or state.stale:
+                    logits = self._chunk(state, until, self._scheduler.chunk_tokens(self.prefill_chunk))
         state.last_logits = logits if until == state.num_tokens else None
         return logits
 
@@ -158,18 +159,31 @@ class Lifecycle:
         return self._scheduler.call(lambda: runner.deviation(blocks, start, tokens))
 
     def recompute_at(self, state: KVState, positions: list[int]) -> None:
-        """Recompute the K/V of the (ascending) cached ``positions`` behind everything before them,
-        in chunks of at most ``prefill_chunk`` tokens (selective recomputation)."""
-        for i in range(0, len(positions), self.prefill_chunk):
-            part = positions[i : i + self.prefill_chunk]
-            tokens = [state.token_ids[p] for p in part]
-            self._scheduler.run(Chunk(list(state.blocks), part[0], tokens, positions=part))
+        """Recompute the K/V of the (ascending) cached ``positions`` behind everything before them
+        (selective recomputation), in the state's next forward (:meth:`compute_until`) together with the
+        tokens after them: the same K/V as a forward of their own (every query sees the keys up to its own
+        position, each layer's new K/V written before they are read), one pass over the weights fewer."""
+        assert all(p < state.num_cached for p in positions) and (not state.stale or state.stale[-1] < positions[0])
+        state.stale.extend(positions)
         state.last_logits = None
 
-    def _chunk(self, state: KVState, end: int) -> torch.Tensor:
+    def _chunk(self, state: KVState, end: int, size: int | None = None) -> torch.Tensor | None:
+        """One forward of at most ``size`` tokens: the stale positions first, then new ones up to ``end``.
+        Returns the logits after the state's last cached token (None when the chunk ended on a stale one)."""
+        stale = state.stale[:size] if size is not None else list(state.stale)
+        del state.stale[: len(stale)]
         start = state.num_cached
-        logits = self._scheduler.run(Chunk(list(state.blocks), start, state.token_ids[start:end]))
-        state.num_cached = end
+        if size is not None:
+            end = min(end, start + size - len(stale))
+        if not stale:
+            logits = self._scheduler.run(Chunk(list(state.blocks), start, state.token_ids[start:end]))
+        else:
+            positions = stale + list(range(start, end))
+            tokens = [state.token_ids[p] for p in positions]
+            logits = self._scheduler.run(Chunk(list(state.blocks), positions[0], tokens, positions=positions))
+            if end <= start and positions[-1] != start - 1:
+                logits = None
+        state.num_cached = max(start, end)
         return logits
 
     # -- whole requests ---------------------------------------------------------------------------

@@ -65,18 +65,36 @@ class RopeShifter:
         n = keys.shape[-2]
         if old_start == new_start or n == 0:
             return keys
-        device = keys.device
+        return self.rotation(old_start, new_start, n, keys.device)(keys)
+
+    def rotation(self, old_start: int, new_start: int, n: int, device: torch.device | str = "cpu") -> Rotation:
+        """The shift of ``n`` keys from ``old_start..`` to ``new_start..``, its angles computed once: moving a
+        long segment layer by layer (:meth:`KVManager.move_rows`) applies it to one layer at a time."""
+        check_shiftable(self.rope_type, self.rope_parameters)
         inv = self.inv_freq.to(device)
         old = torch.arange(old_start, old_start + n, device=device, dtype=torch.float32)
         new = torch.arange(new_start, new_start + n, device=device, dtype=torch.float32)
         delta = (new[:, None] * inv[None, :]).double() - (old[:, None] * inv[None, :]).double()
+        return Rotation(delta.cos().to(torch.float32), delta.sin().to(torch.float32), identity=old_start == new_start)
+
+
+class Rotation:
+    """Turns keys ``[..., tokens, head_dim]`` by fixed per-token angles (:meth:`RopeShifter.rotation`)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, identity: bool = False) -> None:
+        self.cos, self.sin, self.identity = cos, sin, identity
+
+    def __call__(self, keys: torch.Tensor) -> torch.Tensor:
+        if self.identity:
+            return keys
+        n = keys.shape[-2]
+        cos, sin = self.cos, self.sin
         # The model lays out cos/sin as [delta, delta] over head_dim, so each half of a key turns by the
         # same [tokens, head_dim / 2] angles: k1' = k1 cos - k2 sin, k2' = k2 cos + k1 sin (the same
-        # products and sums as k * cos + rotate_half(k) * sin, so the same bits), one layer at a time
+        # products and sums as k * cos + rotate_half(k) * sin, so the same bits), a few heads at a time
         # and without the rotate_half copy: the keys of a long segment are tens of MB.
-        cos, sin = delta.cos().to(torch.float32), delta.sin().to(torch.float32)
         half = keys.shape[-1] // 2
-        out = torch.empty(keys.shape, dtype=torch.float32, device=device)
+        out = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
         flat_in, flat_out = keys.reshape(-1, n, keys.shape[-1]), out.view(-1, n, keys.shape[-1])
         step = max(1, (1 << 19) // max(1, n * keys.shape[-1]))  # ~2 MB of keys per pass: stays in cache
         for i in range(0, flat_in.shape[0], step):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from kvbaton.handle import LineageStep
@@ -28,6 +28,9 @@ class KVState:
     agent: str | None = None  # the agent that produced the state: the source side of a correction edge
     exact_len: int | None = None  # first position whose K/V is approximate (compose); None: all exact
     cacheable: bool = True  # False for private measurement states (fidelity references) and their children
+    # Cached positions whose K/V the next forward recomputes (a blended segment's most-deviating tokens),
+    # ascending: they ride along with the tokens after them instead of costing a forward of their own.
+    stale: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

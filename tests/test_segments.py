@@ -216,3 +216,92 @@ def test_compose_over_http(server):
         with pytest.raises(MergeConflict):
             client.merge([a.segment(0, 4), a.segment(2, 6)])
         client.release([a, out.handle])
+
+
+def test_selective_recomputation_rides_along_with_the_next_forward(engine):
+    """A blended segment's recomputed tokens are computed in the state's next forward, together with the
+    tokens after them (``Lifecycle.recompute_at``), not in a forward of their own: the K/V and the
+    logits are the same either way (each query sees the keys up to its own position; every layer writes
+    its new K/V before reading), one pass over the weights fewer."""
+    from kvbaton.backend.model_runner import Chunk
+    from kvbaton.handle import LineageStep, Op
+
+    sys_a, sys_b, doc = system(engine, SYSTEM_A), system(engine, SYSTEM_B), shared_doc(engine, 4)
+    tail = engine.tokenize(QUESTION)
+    source = engine.materialize(sys_a + doc)
+    src_state = engine.handles.get(source)
+    offset = len(sys_b)
+    picked = [offset + i for i in (2, 9, 40, len(doc) - 1)]
+    out = []
+    for deferred in (True, False):
+        tokens = sys_b + doc + tail
+        state = engine.kv.share(None, 0, tokens, LineageStep(op=Op.COMPOSE, token_ids=tuple(tokens)))
+        state.cacheable = False
+        try:
+            engine.kv.reserve(state, len(tokens))
+            engine.requests.compute_until(state, offset)
+            engine.kv.copy_rows(src_state, len(sys_a), state, offset, len(doc),
+                                engine.composer.shifter.rotation(len(sys_a), offset, len(doc)))
+            if deferred:
+                engine.requests.recompute_at(state, picked)
+                assert state.stale == picked
+            else:
+                engine.scheduler.run(Chunk(list(state.blocks), picked[0], [tokens[p] for p in picked],
+                                           positions=picked))
+            logits = engine.requests.compute(state)
+            assert state.stale == [] and state.num_cached == len(tokens)
+            out.append((logits, *engine.kv.read_rows(state, 0, len(tokens))))
+        finally:
+            engine.kv.drop(state)
+    engine.release(source)
+    for ours, theirs in zip(out[0], out[1], strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_moving_rows_layer_by_layer_equals_reading_shifting_and_writing(engine):
+    """``copy_rows`` with a rotation (a re-aligned segment, moved one layer at a time inside the pool)
+    gives the rows a whole-segment read, shift and write would."""
+    sys_a, sys_b, doc = system(engine, SYSTEM_A), system(engine, SYSTEM_B), shared_doc(engine, 5)
+    source = engine.materialize(sys_a + doc)
+    src_state = engine.handles.get(source)
+    composed = engine.compose(sys_b, [source.segment(len(sys_a), len(sys_a) + len(doc))], mode="rotate")
+    k_src, v_src = engine.kv.read_rows(src_state, len(sys_a), len(doc))
+    k, v = rows(engine, composed.handle, len(sys_b), len(doc))
+    assert torch.equal(k, engine.composer.shifter.shift(k_src, len(sys_a), len(sys_b)))
+    assert torch.equal(v, v_src)
+    engine.release([composed.handle, source])
+
+
+def test_placing_every_span_at_once_equals_placing_them_one_by_one(engine):
+    """A prompt quoting several spans behind a new prefix: ``place_all`` moves them all, selects each one's
+    most-deviating tokens in one two-layer pass and computes the tokens between them in the prompt's
+    forward, giving the reports, K/V and logits that placing the spans one at a time gives."""
+    from kvbaton.handle import LineageStep, Op
+
+    sys_a, sys_b, doc = system(engine, SYSTEM_A), system(engine, SYSTEM_B), shared_doc(engine, 6, 200)
+    source = engine.materialize(sys_a + doc)
+    src = engine.handles.get(source)
+    between, tail = engine.tokenize(" Also weigh this part:"), engine.tokenize(QUESTION)
+    tokens = sys_b + doc[:80] + between + doc[120:200] + tail
+    second = len(sys_b) + 80 + len(between)
+    spans = [(src, len(sys_a), len(sys_a) + 80, len(sys_b)), (src, len(sys_a) + 120, len(sys_a) + 200, second)]
+    out = []
+    for at_once in (True, False):
+        state = engine.kv.share(None, 0, tokens, LineageStep(op=Op.COMPOSE, token_ids=tuple(tokens)))
+        state.cacheable = False
+        try:
+            engine.kv.reserve(state, len(tokens))
+            if at_once:
+                reports = engine.composer.place_all(state, spans, "blend")
+            else:
+                reports = [engine.composer.place(state, i, *span, mode="blend") for i, span in enumerate(spans)]
+            logits = engine.requests.compute(state)
+            assert state.exact_len == len(sys_b)
+            out.append(([(r.outcome, r.offset, r.tokens_reused, r.exact) for r in reports], logits,
+                        *engine.kv.read_rows(state, 0, len(tokens))))
+        finally:
+            engine.kv.drop(state)
+    engine.release(source)
+    assert out[0][0] == out[1][0] == [("blended", len(sys_b), 72, False), ("blended", second, 72, False)]
+    for ours, theirs in zip(out[0][1:], out[1][1:], strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
