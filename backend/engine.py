@@ -48,7 +48,7 @@ from .model_runner import ModelRunner
 from .prefetch import Prefetcher
 from .rotary import RopeShifter
 from .scheduler import Scheduler
-from .spans import MIN_SPAN, SpanIndex
+from .spans import MIN_SPAN, TAIL, SpanIndex
 from .sequence import KVState
 from .stats import engine_stats
 from .persist import Persistence, block_keys, state_dir
@@ -311,8 +311,9 @@ class Engine:
         ``scope`` hold (after its exact prefix), compute the rest, and, under ``"auto"``, recompute
         densely from the first approximated token when the next token looks unsure (lock not held)."""
         with self._lock:
-            # The last prompt token is always computed: the request needs its logits.
-            found = self.spans.find(state.token_ids, state.num_cached, state.num_tokens - 1, scope)
+            # The prompt's last TAIL tokens are always computed (the last one: the request needs its logits).
+            end = max(state.num_cached, state.num_tokens - TAIL)
+            found = self.spans.find(state.token_ids, state.num_cached, end, scope)
             pinned = [b for m in found for b in m.source.blocks]
             self.kv.pin(pinned)  # the sources may be released meanwhile: keep their K/V readable
         try:

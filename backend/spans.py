@@ -33,7 +33,10 @@ from .sequence import KVState
 
 NGRAM = 16  # tokens hashed per anchor: shorter matches are not worth placing anyway
 STRIDE = 8  # about one anchor per STRIDE positions
-MIN_SPAN = 32  # shorter matches are recomputed: placing them costs about what it saves
+MIN_SPAN = 32  # shorter matches are computed: approximating a quoted reply of ~30 tokens cost fidelity
+# The prompt's last tokens (the question, the chat template's turn header) are always computed densely:
+# they are what the next token depends on most.
+TAIL = 32
 DEFAULT_CAPACITY = 1 << 17  # anchors (~1M tokens of indexed context), a few tens of MB at most
 HOLDERS = 4  # live states remembered per anchor (newest first): one released leaves the others
 MAX_APPROXIMATE = 256  # approximate states remembered for their own next turn

@@ -16,7 +16,7 @@ import kvbaton
 import pytest
 from conftest import dense_greedy
 from kvbaton.backend.audit import FidelityAudit
-from kvbaton.backend.spans import MIN_SPAN, SpanIndex
+from kvbaton.backend.spans import MIN_SPAN, TAIL, SpanIndex
 from kvbaton.bench.corpus import document
 from kvbaton.errors import InvalidRequest
 
@@ -40,7 +40,10 @@ def test_reviewer_behind_its_own_prompt_reuses_the_readers_document(engine, doc)
                              reuse="rotate")
     (span,) = review.segments
     assert span.source == reader.handle.id and span.outcome == "rotated" and not span.exact
-    assert span.end - span.start >= len(engine.tokenize(doc)) - 8  # the whole document, give or take the edges
+    # The whole document, give or take the edges, up to the prompt's last TAIL tokens (always computed).
+    prompt = engine.chat_tokens(chat(REVIEWER, doc, "What is the biggest risk?"))
+    assert span.end - span.start >= min(len(engine.tokenize(doc)), len(prompt) - TAIL - span.offset) - 8
+    assert span.offset + span.end - span.start <= len(prompt) - TAIL
     assert review.timings.tokens_approximate == span.tokens_reused > 0
     assert review.timings.tokens_reused >= review.timings.tokens_approximate
     assert not review.exact and not review.handle.exact
@@ -182,6 +185,28 @@ def test_an_agent_resumes_its_own_approximate_turn(engine, doc):
     # With reuse="exact" the same turn never starts from approximate K/V.
     exact = engine.generate(follow_up, sampling=GREEDY, agent="reviewer", reuse="exact")
     assert exact.exact and exact.timings.tokens_approximate == 0
+
+
+def test_a_synthesizer_reuses_the_replies_it_quotes_and_computes_its_question(engine, doc):
+    """Replies quoted by the next agent behind its own prompt are placed, all spans of the prompt in two
+    passes; the prompt's last ``TAIL`` tokens, the question itself, are always computed densely, even
+    where another agent's prompt had the same words."""
+    reply = kvbaton.SamplingParams(max_tokens=48, ignore_eos=True)
+    question = ("Merge the replies into one plan: name an owner and a date for every action, and say which "
+                "reply you trust more and why, in at most three sentences.")
+    replies = [engine.generate(chat(system, doc, question), sampling=reply, agent=agent)
+               for system, agent in ((READER, "reader"), (REVIEWER, "reviewer"))]
+    quoted = "\n\n".join(f"{name}: {r.text}" for name, r in zip(("Reader", "Reviewer"), replies, strict=True))
+    synthesis = engine.generate(
+        [{"role": "system", "content": "You are the synthesizer."},
+         {"role": "user", "content": f"Replies:\n{quoted}\n\n{question}"}],
+        sampling=GREEDY, agent="synthesizer", reuse="auto")
+    placed = {s.source: s for s in synthesis.segments}
+    assert {r.handle.id for r in replies} <= set(placed)
+    assert all(MIN_SPAN <= s.end - s.start < 48 for s in placed.values())
+    prompt_len = synthesis.handle.num_tokens - len(synthesis.token_ids) + 1
+    assert all(s.offset + s.end - s.start <= prompt_len - TAIL for s in synthesis.segments)
+    assert synthesis.exact == all(s.outcome == "recomputed" for s in synthesis.segments)
 
 
 def test_reuse_policy_is_validated(engine):
