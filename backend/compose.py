@@ -265,18 +265,15 @@ class Composer:
         reports = []
         if mode == "rotate":
             for i, (src, start, end, offset) in enumerate(spans):
-                reports.append(self._report(i, src, start, end, offset, "rotated", "keys re-aligned to the new "
-                                            "positions; no correction (mode='rotate')", end - start, 0, state))
+                reports.append(self._report(i, src, start, end, offset, "rotated", _ROTATED, end - start, 0, state))
         else:
             deviation = self._life.deviation(state, begin, state.num_cached - begin)
             for i, (src, start, end, offset) in enumerate(spans):
                 n = end - start
-                m = min(n, max(1, math.ceil(cfg.blend_ratio * n)))
-                picked = torch.topk(deviation[offset - begin : offset - begin + n], m).indices + offset
-                stale.extend(picked.tolist())
-                reports.append(self._report(
-                    i, src, start, end, offset, "blended", f"keys re-aligned to the new positions; the {m} of {n} "
-                    "tokens whose layer-1 values deviated most were recomputed behind the new prefix", n - m, 0, state))
+                picked = most_deviating(deviation[offset - begin : offset - begin + n], cfg.blend_ratio, offset)
+                stale.extend(picked)
+                reports.append(self._report(i, src, start, end, offset, "blended", _blended(len(picked), n),
+                                            n - len(picked), 0, state))
         self._life.recompute_at(state, sorted(stale))
         return reports
 
@@ -319,16 +316,14 @@ class Composer:
             return dense(f"RoPE type {shifter.rope_type!r} cannot be re-aligned exactly")
         if mode == "rotate":
             kv.copy_rows(src, start, state, offset, available, shifter.rotation(start, offset, available))
-            return report("rotated", "keys re-aligned to the new positions; no correction (mode='rotate')", available)
+            return report("rotated", _ROTATED, available)
         cfg = anchors.config
         if mode == "blend" and cfg.blend_ratio > 0:
             kv.copy_rows(src, start, state, offset, available, shifter.rotation(start, offset, available))
-            deviation = self._life.deviation(state, offset, available)
-            m = min(available, max(1, math.ceil(cfg.blend_ratio * available)))
+            picked = most_deviating(self._life.deviation(state, offset, available), cfg.blend_ratio, offset)
             # Recomputed in the state's next forward, with the tokens after the segment (``Lifecycle``).
-            self._life.recompute_at(state, sorted((torch.topk(deviation, m).indices + offset).tolist()))
-            return report("blended", f"keys re-aligned to the new positions; the {m} of {available} tokens whose "
-                          "layer-1 values deviated most were recomputed behind the new prefix", available - m)
+            self._life.recompute_at(state, picked)
+            return report("blended", _blended(len(picked), available), available - len(picked))
         k, v = kv.read_rows(src, start, available)
         if cfg.chained:  # KVCMAS: the source agent's own cache is the reference
             ref_k, ref_v, ref_start, key = k, v, start, (slot, src.agent, state.agent)
@@ -503,6 +498,21 @@ def correction_config(value: CorrectionConfig | Mapping[str, Any] | None) -> Cor
         return CorrectionConfig(**value)
     except TypeError as exc:
         raise InvalidRequest(f"invalid correction settings: {exc}") from None
+
+
+def most_deviating(deviation: torch.Tensor, ratio: float, offset: int) -> list[int]:
+    """Positions (ascending, from ``offset``) of the ``ratio`` share, at least one, of a placed segment's
+    tokens whose deviation is largest: the ones selective recomputation recomputes."""
+    m = min(len(deviation), max(1, math.ceil(ratio * len(deviation))))
+    return sorted((torch.topk(deviation, m).indices + offset).tolist())
+
+
+_ROTATED = "keys re-aligned to the new positions; no correction (mode='rotate')"
+
+
+def _blended(recomputed: int, tokens: int) -> str:
+    return (f"keys re-aligned to the new positions; the {recomputed} of {tokens} tokens whose layer-1 values "
+            "deviated most were recomputed behind the new prefix")
 
 
 def top2_margin(logits: torch.Tensor) -> float:
