@@ -212,9 +212,10 @@ def load_model(
         from .attention import ATTN_IMPLEMENTATION
 
         if attn_implementation == ATTN_IMPLEMENTATION:  # the engine's copy, not a plain reference model
-            from .prefill import install
+            from . import prefill, row_buckets
 
-            install(loaded.model, loaded.device, loaded.dtype)
+            prefill.install(loaded.model, loaded.device, loaded.dtype)
+            row_buckets.install(loaded.model, loaded.device, loaded.dtype)
         _loaded[key] = loaded
         return loaded
 

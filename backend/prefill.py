@@ -8,7 +8,8 @@ engine's model instance (never the class, never the reference model transformers
 
 - q/k/v and gate/up are each one matrix product, and every projection of the decoder layers runs on
   a copy of its (concatenated) weights pre-packed once for oneDNN (``torch.ops.mkldnn``), faster
-  than the default fp32 GEMM on large inputs; forwards of a few rows use the modules' own weights;
+  than the default fp32 GEMM on large inputs, its rows padded to a bucket (:mod:`.row_buckets`:
+  oneDNN keeps kernels for every row count); forwards of a few rows use the modules' own weights;
 - RoPE rotates q and k in place in the fused product's output, ``silu(gate) * up`` and each RMSNorm
   are one pass of a kvbaton kernel each (:mod:`.kernels`), threaded over the rows;
 - the paged attention (:mod:`.attention`) of a chunk of new tokens is kvbaton's causal flash kernel
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels as kernel_library
+from . import row_buckets
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,10 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS and x.dtype == self.dtype:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+            # Rows bucketed: oneDNN keeps kernels for every row count it sees (see row_buckets).
+            rows = row_buckets.pad_rows(x.contiguous())
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+            return y[: x.shape[0]]
         if len(self.modules) == 1:
             return F.linear(x, self.modules[0].weight, self.modules[0].bias)
         return torch.cat([F.linear(x, m.weight, m.bias) for m in self.modules], dim=-1)
@@ -279,6 +284,21 @@ def install(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
         log.info("fused prefill ready: %s projections%s, %.0f MiB of packed weights",
                  "oneDNN-packed" if pack else "plain", " and kvbaton kernels" if library else "", packed / 2**20)
         return True
+
+
+def projections(model: Any) -> list[tuple[Any, int, torch.dtype]]:
+    """Every decoder projection as a prefill forward of this model runs it, ``(product, input width,
+    input dtype)``: the fused products where :func:`install` patched the model, its modules otherwise
+    (the benchmarks' matrix-product floor of a prefill chunk)."""
+    layers = getattr(model, "_kvbaton_prefill", None)
+    if layers:
+        return [(m, m.modules[0].in_features, m.dtype) for layer in layers for m in layer.matrices()]
+    out = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            out.append((module, module.in_features, module.weight.dtype))
+    return out
 
 
 def attention(query: torch.Tensor, pool: Any, layer: int, read_slots: torch.Tensor | slice,

@@ -5,7 +5,8 @@ Specification:
 - a quick soak run (one device, ``--persist``, dropped streams, a tier that fills, a restart) writes
   one quick record whose phase leaves 0 live handles and 0 held blocks after ``release_all``, gets
   back every handle the clients kept, and answers no 500;
-- the report renders a soak record as one table row per phase: errors by class, leaks, RSS growth,
+- the report renders a soak record as one table row per phase: errors by class, leaks, RSS growth
+  (over the load and over its second half),
   handles recovered, the worker kill.
 """
 
@@ -21,7 +22,8 @@ PERSISTENT = {
     "phase": "persistent", "clients": 64, "seconds": 120.0, "tier_fs": "tmpfs of 24 MiB",
     "requests": {"chat": 10, "resume": 5}, "errors": {"503 server_unavailable": 2}, "dropped_streams": 3,
     "rss_start_bytes": 100 * 2**20, "rss_end_bytes": 108 * 2**20, "rss_growth_bytes": 8 * 2**20,
-    "clean_exit_code": 0, "handles_kept": 40, "handles_recovered": 40, "released": 60, "leaked_handles": 0,
+    "rss_growth_second_half_bytes": 1 * 2**20, "clean_exit_code": 0, "handles_kept": 40, "handles_recovered": 40,
+    "released": 60, "leaked_handles": 0,
     "leaked_blocks": 0,
 }
 CLUSTER = {
@@ -35,9 +37,20 @@ CLUSTER = {
 def test_the_table_has_a_row_per_phase_with_errors_leaks_growth_and_recovery():
     text = soak.table({"rows": [PERSISTENT, CLUSTER]})
     persistent, cluster = [line for line in text.splitlines() if "--persist" in line or "SIGKILL" in line]
-    assert "503 server_unavailable: 2" in persistent and "40 of 40" in persistent and "+8 MiB" in persistent
+    assert "503 server_unavailable: 2" in persistent and "40 of 40" in persistent and "+8 MiB (+1 MiB)" in persistent
     assert "tmpfs of 24 MiB" in persistent
     assert "none" in cluster and "worker killed: 1, healthy after: True" in cluster
+
+
+@pytest.mark.unit
+def test_rss_growth_is_told_over_the_whole_load_and_over_its_second_half():
+    # Warm-up grows early and stops; a leak goes on growing in the second half (here: after 10 of 20 s).
+    mib = 2**20
+    fields = soak.rss_fields([(0.0, 100 * mib), (5.0, 150 * mib), (10.0, 158 * mib), (20.0, 160 * mib)])
+    assert fields["rss_growth_bytes"] == 60 * mib
+    assert fields["rss_growth_second_half_bytes"] == 2 * mib  # from the sample nearest the middle (10 s)
+    assert fields["rss_samples"][0] == [0.0, 100 * mib]
+    assert soak.rss_fields([])["rss_growth_bytes"] is None
 
 
 @pytest.mark.unit

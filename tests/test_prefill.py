@@ -25,6 +25,17 @@ def test_the_engines_model_is_patched_and_the_reference_is_not(engine, reference
     assert "forward" not in vars(reference.model.layers[0].self_attn)  # the class's own forward
 
 
+def test_projections_are_the_products_prefill_runs(engine, reference):
+    # The engine's fp32 model: fused q/k/v and gate/up, o and down (4 per layer); a plain model: its 7 modules.
+    layers = len(reference.model.layers)
+    fused = prefill.projections(engine.loaded.model)
+    assert len(fused) == 4 * layers and all(isinstance(p, prefill._Linear) for p, _, _ in fused)
+    x = torch.randn(20, fused[0][1])
+    assert torch.allclose(fused[0][0](x)[:, : reference.config.hidden_size],
+                          reference.model.layers[0].self_attn.q_proj(x), atol=1e-4)
+    assert len(prefill.projections(reference)) == 7 * layers
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_chunked_prefill_matches_transformers_with_and_without_fusion(reference, corpus_tokens, fused):
     # 512-token forwards: a first chunk (causal from position 0), then chunks behind cached tokens.

@@ -7,7 +7,10 @@
 - decode tokens/s with 1, 8 and 32 concurrent sequences (kvbaton continuous batching; the
   transformers column decodes the same sequences one after another, as a simple loop would);
 - the weights-read floor: one row pushed through every decode weight matrix, i.e. what a decode
-  step costs in memory traffic alone on this machine (no attention, no framework).
+  step costs in memory traffic alone on this machine (no attention, no framework);
+- the prefill matrix-product floor: 2048 rows pushed through every decoder projection as prefill
+  runs them (fp32: the fused, oneDNN-packed products), and the share of a 2048-token prefill spent
+  there: what is left for attention, norms and the framework.
 
 kvbaton decodes with its fused decode step (``kvbaton.backend.fast_decode``, on kvbaton's C++
 kernels where they build); prefill runs the model's own forward with paged attention. Greedy
@@ -77,12 +80,36 @@ def _weight_read_ms(engine: Any, repeats: int = 5) -> list[float] | None:
     return runs
 
 
+def _products_ms(engine: Any, rows: int, repeats: int = 5) -> list[float]:
+    """ms of each pass of ``rows`` rows through every decoder projection as prefill runs them: the
+    matrix-product floor of a prefill chunk of ``rows`` tokens (no attention, norms or framework)."""
+    from kvbaton.backend import prefill
+
+    products = prefill.projections(engine.loaded.model)
+    inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    runs = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first pass warms up
+            start = time.perf_counter()
+            for product, width, dtype in products:
+                x = inputs.get((width, dtype))
+                if x is None:
+                    g = torch.Generator().manual_seed(width)
+                    x = inputs[(width, dtype)] = torch.randn(rows, width, generator=g).to(dtype)
+                product(x)
+            runs.append((time.perf_counter() - start) * 1000)
+    return runs[1:]
+
+
 def _concurrent_tps(engine: Any, corpus: list[int], k: int, params: SamplingParams) -> float:
     """Tokens/s of ``k`` sequences decoding at once (each its own thread, as concurrent requests)."""
     handles = [engine.materialize(corpus[i * 40 : i * 40 + 128]) for i in range(k)]
     elapsed, results = timed(lambda: parallel([lambda h=h: engine.resume(h, [], params) for h in handles]))
     engine.release(handles + [r.handle for r in results])
     return k * params.max_tokens / elapsed
+
+
+PRODUCTS_ROWS = 2048  # the prefill chunk of a prompt alone (the scheduler's token budget)
 
 
 def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repeats: int = 2,
@@ -97,6 +124,7 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
     reference: list[list[int]] | None = None
     floor: dict[str, float | None] = {}
     floor_runs: dict[str, list[float] | None] = {}
+    products_runs: dict[str, list[float]] = {}
     for dtype in dtypes:
         engine = Engine(dtype=dtype, kv_budget="3GiB", prefix_cache=False)
         record.watch_kv(f"engine {dtype}", record.pool_bytes(engine))
@@ -145,6 +173,7 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
             rows.append(measured(row, "transformers", theirs))
             bar.update()
         floor_runs[dtype] = _weight_read_ms(engine)
+        products_runs[dtype] = _products_ms(engine, PRODUCTS_ROWS)
         floor[dtype] = statistics.median(floor_runs[dtype]) if floor_runs[dtype] else None
         prompts = [corpus[300 * i : 300 * i + 200] for i in range(6)]
         ours_tokens = [_engine_greedy(engine, p, steps) for p in prompts]
@@ -166,7 +195,8 @@ def run(dtypes: tuple[str, ...] = ("float32", "bfloat16"), steps: int = 24, repe
             row["vs_one_sequence"] = row["kvbaton"] / single[row["dtype"]]
     return {"benchmark": "engine", "dtypes": list(dtypes), "steps": steps, "repeats": repeats, "rows": rows,
             "greedy_agreement_vs_transformers": agreement, "greedy_agreement_vs_fp32_transformers": vs_fp32,
-            "kernels": kernels, "weights_read_floor_ms": floor, "weights_read_floor_runs_ms": floor_runs}
+            "kernels": kernels, "weights_read_floor_ms": floor, "weights_read_floor_runs_ms": floor_runs,
+            "prefill_products_rows": PRODUCTS_ROWS, "prefill_products_runs_ms": products_runs}
 
 
 def _engine_greedy(engine: Any, prompt: list[int], steps: int) -> list[int]:
@@ -207,6 +237,16 @@ def notes(payload: dict[str, Any]) -> list[str]:
             runs = (payload.get("weights_read_floor_runs_ms") or {}).get(dtype) or [ms]
             out.append(f"weights-read floor ({dtype}): {ms:.1f} ms per decode step, median of {len(runs)} "
                        f"[{min(runs):.1f}–{max(runs):.1f}] (one row through every decode matrix)")
+    rows = payload.get("prefill_products_rows")
+    for dtype, runs in (payload.get("prefill_products_runs_ms") or {}).items():
+        ms = statistics.median(runs)
+        prefill = next((r["kvbaton"] for r in payload["rows"]
+                        if r["dtype"] == dtype and r["metric"] == f"prefill tok/s @{rows}"), None)
+        share = ("" if prefill is None else
+                 f"; prefill @{rows} spends {ms / 1000 / (rows / prefill):.0%} of its time in them")
+        out.append(f"prefill matrix-product floor ({dtype}): {ms:.0f} ms for {rows} rows through every decoder "
+                   f"projection as prefill runs them, median of {len(runs)} [{min(runs):.0f}–{max(runs):.0f}] "
+                   f"({rows / ms * 1000:.0f} tok/s){share}")
     return out
 
 

@@ -18,7 +18,8 @@ must keep answering (failed requests 503 ``server_unavailable``, never 500), and
 after ``release_all``.
 
 The record: requests per kind, errors by class (HTTP status and error code, or the transport
-exception), dropped streams, the server's RSS after warm-up and at the end of the load (growth),
+exception), dropped streams, the server's RSS sampled every 5 s through the load (growth over the
+load, and over its second half: growth that goes on there is a leak, growth that stops is warm-up),
 handles kept and recovered, and the leaks after ``release_all`` (handles, blocks) of each phase.
 """
 
@@ -341,6 +342,48 @@ def recovered(url: str, pool: list[SoakClient]) -> tuple[int, int]:
 
 # -- the run ----------------------------------------------------------------------------------------
 
+RSS_EVERY_S = 5.0  # how often the server's RSS is sampled during the load
+
+
+@contextlib.contextmanager
+def rss_samples(server: Server, every: float = RSS_EVERY_S) -> Iterator[list[tuple[float, int]]]:
+    """Sample the server's RSS every ``every`` s while inside: ``[(seconds since start, bytes)]``, first
+    and last sample taken at entry and exit. Growth that goes on in the second half of a long load is a
+    leak; growth that stops is warm-up (allocator high water, kernels for the shapes seen)."""
+    samples: list[tuple[float, int]] = []
+    start = time.monotonic()
+    stop = threading.Event()
+
+    def take() -> None:
+        rss = server.rss_bytes()
+        if rss is not None:
+            samples.append((round(time.monotonic() - start, 1), rss))
+
+    def loop() -> None:
+        while not stop.wait(every):
+            take()
+
+    take()
+    thread = threading.Thread(target=loop, name="kvbaton-soak-rss", daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
+        take()
+
+
+def rss_fields(samples: list[tuple[float, int]]) -> dict[str, Any]:
+    """The record's RSS fields: start, end, growth over the load and over its second half, the samples."""
+    if not samples:
+        return {"rss_start_bytes": None, "rss_end_bytes": None, "rss_growth_bytes": None,
+                "rss_growth_second_half_bytes": None, "rss_samples": []}
+    (t0, first), (t1, last) = samples[0], samples[-1]
+    middle = min(samples, key=lambda s: abs(s[0] - (t0 + t1) / 2))[1]
+    return {"rss_start_bytes": first, "rss_end_bytes": last, "rss_growth_bytes": last - first,
+            "rss_growth_second_half_bytes": last - middle, "rss_samples": [[t, b] for t, b in samples]}
+
 
 def persistent_phase(clients: int, seconds: float, kv_budget: str, tier_mib: int, seed: int) -> dict[str, Any]:
     tally = Tally()
@@ -355,9 +398,8 @@ def persistent_phase(clients: int, seconds: float, kv_budget: str, tier_mib: int
         try:
             server.start()
             load(server.url, min(clients, 2), min(seconds / 2, 5), TOKENS, Tally(), system, seed)  # warm-up
-            rss_start = server.rss_bytes()
-            pool = load(server.url, clients, seconds, TOKENS, tally, system, seed)
-            rss_end = server.rss_bytes()
+            with rss_samples(server) as samples:
+                pool = load(server.url, clients, seconds, TOKENS, tally, system, seed)
             tier_errors = tier_write_errors(server.url, TOKENS[0])
             exit_code = server.stop()
             server.start()
@@ -370,9 +412,7 @@ def persistent_phase(clients: int, seconds: float, kv_budget: str, tier_mib: int
     return {"phase": "persistent", "clients": clients, "seconds": seconds, "tier_fs": tier_fs,
             "tier_errors": tier_errors,
             "requests": dict(tally.requests), "errors": dict(tally.errors), "dropped_streams": tally.dropped,
-            "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
-            "rss_growth_bytes": None if rss_start is None or rss_end is None else rss_end - rss_start,
-            "clean_exit_code": exit_code, "handles_kept": kept, "handles_recovered": ok, **left,
+            **rss_fields(samples), "clean_exit_code": exit_code, "handles_kept": kept, "handles_recovered": ok, **left,
             "server_log_tail": logs[-LOG_TAIL:]}
 
 
@@ -393,9 +433,8 @@ def cluster_phase(clients: int, seconds: float, kv_budget: str, seed: int) -> di
 
     try:
         server.start()
-        rss_start = server.rss_bytes()
-        load(server.url, clients, seconds, (None,), tally, system, seed, midway=kill_a_worker)
-        rss_end = server.rss_bytes()
+        with rss_samples(server) as samples:
+            load(server.url, clients, seconds, (None,), tally, system, seed, midway=kill_a_worker)
         healthy = httpx.get(f"{server.url}/health", timeout=60).status_code == 200
         left = leaks(server.url, (None,))
         server.stop()
@@ -404,8 +443,7 @@ def cluster_phase(clients: int, seconds: float, kv_budget: str, seed: int) -> di
         server.close()
     return {"phase": "cluster", "clients": clients, "seconds": seconds, "workers_killed": len(killed),
             "healthy_after": healthy, "requests": dict(tally.requests), "errors": dict(tally.errors),
-            "dropped_streams": tally.dropped, "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
-            "rss_growth_bytes": None if rss_start is None or rss_end is None else rss_end - rss_start, **left,
+            "dropped_streams": tally.dropped, **rss_fields(samples), **left,
             "server_log_tail": logs[-LOG_TAIL:]}
 
 
@@ -422,10 +460,15 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / MIB:+.0f} MiB" if value < 0 or value > 0 else "0 MiB"
 
 
+def _growth(row: dict[str, Any]) -> str:
+    late = row.get("rss_growth_second_half_bytes")  # records before the samples have only the total
+    return _mib(row["rss_growth_bytes"]) + ("" if late is None else f" ({_mib(late)})")
+
+
 def table(payload: dict[str, Any]) -> str:
     """One row per phase: load, errors by class, leaks after ``release_all``, RSS growth, recovery."""
     columns = ["phase", "clients x s", "requests", "errors by class", "dropped streams", "leaked handles",
-               "leaked blocks", "RSS growth", "restart / worker kill"]
+               "leaked blocks", "RSS growth (2nd half)", "restart / worker kill"]
     rows = []
     for r in payload["rows"]:
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(r["errors"].items())) or "none"
@@ -436,8 +479,7 @@ def table(payload: dict[str, Any]) -> str:
             extra = f"worker killed: {r['workers_killed']}, healthy after: {r['healthy_after']}"
             phase = "--devices cpu,cpu, one worker SIGKILLed"
         rows.append([phase, f"{r['clients']} x {r['seconds']:g}", sum(r["requests"].values()), errors,
-                     r["dropped_streams"], r["leaked_handles"], r["leaked_blocks"], _mib(r["rss_growth_bytes"]),
-                     extra])
+                     r["dropped_streams"], r["leaked_handles"], r["leaked_blocks"], _growth(r), extra])
     return format_table(columns, rows)
 
 
