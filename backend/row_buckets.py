@@ -10,8 +10,8 @@ whose outputs are dropped.
 
 oneDNN computes each row of a product independently of how many rows come with it (checked here,
 fp32 packed and bf16: the same bits for a row whatever the row count, ``tests/test_row_buckets.py``),
-so bucketing changes no result. The cost is the padding's arithmetic: fewer than 32 rows on a
-chunk of more than 32, under twice the rows of a smaller one.
+so bucketing changes no result. The cost is the padding's arithmetic: fewer than 16 rows on a
+chunk of 33 to 256 rows, fewer than 32 on a longer one, under twice the rows of a smaller one.
 
 fp32 products on plain weights run on MKL, which keeps no per-shape state: they are left alone.
 """
@@ -26,17 +26,22 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-# Above it, rows round up to a multiple of it; at or below, to the next power of two (a decode step of
-# one row stays one row): at most 6 + max_batch_tokens / STEP shapes per weight.
+# Rows round up to the next power of two up to 32 (a decode step of one row stays one row), to a
+# multiple of FINE_STEP up to FINE_LIMIT (a later turn's chunk of a few hundred new tokens: padding
+# to 32 cost such a chunk ~5% of its products), and to a multiple of STEP above: 6 + (FINE_LIMIT - 32)
+# / FINE_STEP + (max_batch_tokens - FINE_LIMIT) / STEP shapes per weight at most.
 STEP = 32
+FINE_STEP = 16
+FINE_LIMIT = 256
 _PATCHED = "_kvbaton_row_buckets"
 
 
 def bucket(rows: int) -> int:
     """The row count a product of ``rows`` rows runs with."""
-    if rows <= STEP:
+    if rows <= 32:
         return 1 << max(rows - 1, 0).bit_length()
-    return -(-rows // STEP) * STEP
+    step = FINE_STEP if rows <= FINE_LIMIT else STEP
+    return -(-rows // step) * step
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:

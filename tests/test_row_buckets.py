@@ -21,13 +21,16 @@ def test_a_bucket_holds_the_rows_and_wastes_less_than_one_step(rows):
     b = row_buckets.bucket(rows)
     assert b >= rows
     assert b - rows < max(row_buckets.STEP, rows)  # at most one step above, or under 2x for tiny products
+    if 32 < rows <= row_buckets.FINE_LIMIT:  # a later turn's short chunk pads less
+        assert b - rows < row_buckets.FINE_STEP
     assert row_buckets.bucket(b) == b
 
 
 @pytest.mark.unit
 def test_every_chunk_size_up_to_the_batch_budget_maps_to_a_few_dozen_shapes():
     shapes = {row_buckets.bucket(n) for n in range(1, 2049)}
-    assert len(shapes) <= 6 + 2048 // row_buckets.STEP
+    fine = (row_buckets.FINE_LIMIT - 32) // row_buckets.FINE_STEP
+    assert len(shapes) <= 6 + fine + (2048 - row_buckets.FINE_LIMIT) // row_buckets.STEP <= 80
     assert row_buckets.bucket(1) == 1  # a decode step stays one row
 
 
