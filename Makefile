@@ -14,8 +14,10 @@ run: $(STAMP)
 # Two pytest workers (pytest-xdist), each module on one worker so its servers start once: the
 # server tests spend much of their time waiting on process start-up and restarts, which the other
 # worker's model tests fill (on this 2-core machine: 580 s and 669 s in two runs, 853 s serially).
+# --max-worker-restart 0: a worker that dies (an OOM kill, or pytest-timeout ending a hung test) ends the
+# run with an error; restarted, it would re-run the same scope, and xdist could wait on it forever.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadscope
+	$(PY) -m pytest -q -n 2 --dist loadscope --max-worker-restart 0
 
 # The tiers of `make test` (tests/conftest.py): model-free in seconds, the real model, server processes.
 test-unit: $(STAMP)

@@ -1,8 +1,7 @@
 """The adapter core: what every framework adapter of kvbaton shares, written once.
 
-The LangGraph adapter (``langgraph``, ``_langchain_model``, ``_openai_dropin``) and the AutoGen
-adapter (``autogen``, ``autogen_client``) keep only their framework glue; the parts below are the
-same for both:
+The LangGraph adapter (the ``langgraph`` package) and the AutoGen adapter (the ``autogen``
+package) keep only their framework glue; the parts below are the same for both:
 
 - **dispatch** — call a client method from sync code (:func:`call`) or async code (:func:`acall`)
   whether the client is a :class:`kvbaton.Client` or a :class:`kvbaton.AsyncClient`;
@@ -17,13 +16,12 @@ same for both:
   per client, again only when it changes (:func:`register_fixed_prompt`);
 - **hints** — steps-to-execution of a :class:`~kvbaton.StepGraph` sent through the client's
   ``hints()`` (:class:`HintSender`);
-- **shared connections** — the process-wide kvbaton client an adapter object opens when it is given
-  none (:func:`shared_connection`: ``KvbatonChatModel()``, a loaded AutoGen component), one per
-  target, model and token, closed at exit;
 - **compact handle references** — what goes on a framework message: a handle without its lineage
   (:func:`compact_handle`: id, fingerprints, length, positions; a bounded size whatever the context),
   its tokens remembered in this process and otherwise asked of the engine when a choice needs them
   (:func:`handle_tokens`);
+- **shared connections** — the process-wide kvbaton client an adapter object opens when it is given
+  none: :mod:`kvbaton.adapters.connections`;
 - **ownership** — runs as scopes, what a result references: :mod:`kvbaton.adapters.ownership`.
 
 Invariants: only the public client API is used (client methods, :class:`~kvbaton.Handle`,
@@ -34,22 +32,20 @@ raise into the app, they are logged; a helper has one name and one shape in ever
 
 from __future__ import annotations
 
-import asyncio
-import atexit
 import functools
-import os
 import inspect
 import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvbaton.client import AsyncClient, Client
-from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, ModelNotFound
+from kvbaton.client import AsyncClient
+from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle
 from kvbaton.handle import Handle, common_prefix_length
 from kvbaton.stepgraph import StepGraph
+from kvbaton.threaded import run_blocking
 from kvbaton.tools import (  # noqa: F401 (re-exported: the adapters' tool-call convention)
     TOOL_PROMPT,
     ToolCall,
@@ -71,10 +67,7 @@ def sync_client(client: Any) -> Any:
     """A synchronous client for ``client``: ``client`` itself unless it is an
     :class:`~kvbaton.AsyncClient`, then the sync client it wraps (an ``AsyncEmbeddedClient``'s
     ``client``), or None when it wraps none (e.g. ``AsyncHttpClient``)."""
-    if client is None or not isinstance(client, AsyncClient):
-        return client
-    inner = getattr(client, "client", None)
-    return inner if inner is not None and not isinstance(inner, AsyncClient) else None
+    return client.blocking if isinstance(client, AsyncClient) else client
 
 
 def _method(client: Any, name: str) -> Callable[..., Any]:
@@ -103,7 +96,7 @@ def call(client: Any, name: str, *args: Any, **kwargs: Any) -> Any:
 async def _ainvoke(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    return await asyncio.to_thread(fn, *args, **kwargs)  # a sync client must not block the event loop
+    return await run_blocking(fn, *args, **kwargs)  # a sync client must not block the event loop
 
 
 async def acall(client: Any, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -115,7 +108,7 @@ async def acall(client: Any, name: str, *args: Any, **kwargs: Any) -> Any:
 async def iterate_in_thread(iterator: Iterator[T]) -> AsyncIterator[T]:
     """The items of a blocking iterator (a sync client's stream), each ``next`` in a worker thread."""
     done: Any = object()
-    while (item := await asyncio.to_thread(next, iterator, done)) is not done:
+    while (item := await run_blocking(next, iterator, done)) is not done:
         yield item
 
 
@@ -285,7 +278,7 @@ async def arank_for_prompt(
     tokens = await acall(client, "chat_tokens", messages, tools=tools) if len(candidates) > 1 else None
     if tokens is None:
         return rank_handles(candidates, tokens)
-    return await asyncio.to_thread(rank_handles, candidates, tokens, client)  # may ask the engine for lineages
+    return await run_blocking(rank_handles, candidates, tokens, client)  # may ask the engine for lineages
 
 
 def run_with_handle(
@@ -447,91 +440,6 @@ async def aregister_fixed_prompt(client: Any, agent: str | None, messages: Seque
         log.warning("kvbaton: registering agent %r failed: %s", agent, exc)
 
 
-# -- shared connections -----------------------------------------------------------------------------
-
-_connections: dict[tuple[str, str | None, str | None], Client | AsyncClient] = {}
-_connections_lock = threading.Lock()
-
-
-def register_connection(
-    client: Client | AsyncClient | None, target: str = "embedded", model: str | None = None
-) -> None:
-    """Make ``client`` the connection that adapter objects naming ``(target, model)`` attach to in this
-    process (``load_component`` of an ``"embedded"`` config then reuses this engine instead of loading
-    another). ``None`` forgets the registered connection (it is not closed: it is the caller's)."""
-    key = (target, model if target == "embedded" else None, None)  # a server's model is its own
-    with _connections_lock:
-        if client is None:
-            _connections.pop(key, None)
-        else:
-            _connections[key] = client
-
-
-def shared_connection(
-    target: str = "embedded", model: str | None = None, token: str | None = None
-) -> Client | AsyncClient:
-    """The process-wide connection for ``(target, model, token)`` (``target``: ``"embedded"`` or a
-    ``kvbaton serve`` URL), opened with ``kvbaton.connect`` on first use and closed at exit. A server
-    chose its model: there ``model`` is only checked (``ModelNotFound`` when it serves another), and
-    one connection per URL and token serves every model object naming it."""
-    embedded = target == "embedded"
-    key = (target, model if embedded else None, token)
-    with _connections_lock:
-        client = _connections.get(key)
-        if client is None:
-            from kvbaton.client import connect
-
-            client = connect(model=model) if embedded else connect(target, token=token)
-            _connections[key] = client
-            _opened.append(client)
-    if not embedded and model is not None:
-        served = served_model(client, default="")
-        if served != model:
-            raise ModelNotFound(f"the kvbaton server at {target} serves {served!r}, not {model!r}")
-    return client
-
-
-_opened: list[Any] = []  # the connections this module opened (registered ones are their callers')
-
-
-@atexit.register
-def _close_opened() -> None:
-    while _opened:
-        try:
-            _opened.pop().close()
-        except Exception:  # noqa: BLE001 - at exit, a failing close must not hide the others
-            pass
-
-
-def is_openai_key(key: str | None) -> bool:
-    """Whether ``key`` (a bare key or an ``Authorization`` value) is an OpenAI API key: ``sk-...`` or
-    ``$OPENAI_API_KEY``. Adapters never send one to a kvbaton server."""
-    if not key:
-        return False
-    key = key.removeprefix("Bearer ").strip()
-    env = os.environ.get("OPENAI_API_KEY")
-    return key.startswith("sk-") or (bool(env) and key == env)
-
-
-def default_target(base_url: str | None = None) -> str:
-    """Where an adapter object given no client connects: ``base_url``, else ``$KVBATON_URL``, else
-    the embedded engine (``"embedded"``). A URL is given without a trailing ``/v1``."""
-    url = base_url or os.environ.get("KVBATON_URL") or ""
-    url = url.rstrip("/")
-    if url.endswith("/v1"):
-        url = url[: -len("/v1")]
-    return url or "embedded"
-
-
-def served_model(client: Any, default: str = "kvbaton") -> str:
-    """The name of the model the engine behind ``client`` serves (its stats), or ``default`` when
-    the client cannot say."""
-    try:
-        return str(call(client, "stats").model)
-    except Exception:  # noqa: BLE001 - an async-only or fake client: the name is informative only
-        return default
-
-
 # -- hints ------------------------------------------------------------------------------------------
 
 
@@ -576,7 +484,7 @@ class HintSender:
 
     async def asend(self, running: Sequence[str], finished: Sequence[str]) -> bool:
         if not isinstance(self.client, AsyncClient):
-            return await asyncio.to_thread(self.send, running, finished)
+            return await run_blocking(self.send, running, finished)
         if not self._ready():
             return False
         try:
@@ -602,16 +510,13 @@ __all__ = [
     "best_handle",
     "call",
     "compact_handle",
-    "default_target",
     "handle_tokens",
-    "is_openai_key",
     "iterate_in_thread",
     "leading_system",
     "parse_tool_calls",
     "rank_for_prompt",
     "rank_handles",
     "register_agent",
-    "register_connection",
     "register_fixed_prompt",
     "registered_prompt",
     "render_tool_calls",
@@ -620,8 +525,6 @@ __all__ = [
     "remember_tokens",
     "reuse_report",
     "run_with_handle",
-    "served_model",
-    "shared_connection",
     "supports",
     "sync_client",
     "tool_result",

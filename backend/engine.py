@@ -4,8 +4,15 @@ It implements :class:`kvbaton.ops.EngineOps` and is a coordinator: each operator
 input (:mod:`.inputs`), derives the new state from its parent under the engine lock (sharing the
 parent's blocks, :mod:`.kv_manager`), and hands it to the request lifecycle (:mod:`.lifecycle`:
 admission, chunked prefill and the decode loop, through the batching :mod:`.scheduler`), which
-registers the result in the handle table (:mod:`.handles`). Composition of segments, merge and
-fidelity live in :mod:`.compose`; the stats assembly in :mod:`.stats`.
+registers the result in the handle table (:mod:`.handles`). Cross-prefix reuse is a step the engine
+hands a request (:class:`.reuse.place.AutoReuse`), which the lifecycle runs; composition of segments,
+merge and fidelity live in :mod:`.reuse.compose`; the stats assembly in :mod:`.stats`; handles that
+survive a restart in :mod:`.cache.persist`. Its knobs are one :class:`.config.EngineConfig`; what a server and a
+cluster use of it beyond the operators is :mod:`.hosting` (a request's tenant arrives there as an
+:class:`.tenants.AgentRef`, and the prefix-cache and span partitions follow the engine's tenant partition).
+
+Wired one way: every part is given what it uses when it is built (the span index, the audit, the
+event ring), and none calls back into the engine.
 
 Operators return new, immutable handles; their inputs stay valid until released. Copy-on-write
 keeps forks safe: a write into a partially filled block that another handle also references first
@@ -16,125 +23,112 @@ the model, so bad input never costs compute or leaks memory.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from kvbaton.capabilities import KVBATON, Capabilities
 from kvbaton.errors import InvalidRequest
-from kvbaton.handle import Handle, LineageStep, Op, Placement, Positions, Segment, common_prefix_length
-from kvbaton.ops import Messages, check_agent, check_reuse, ste_map
+from kvbaton.handle import Handle, HandleLike, LineageStep, Op, Placement, Positions, Segment, common_prefix_length
+from kvbaton.ops import Messages, check_reuse, ste_map
 from kvbaton.stream import TokenStream
-from kvbaton.types import AgentInfo, Composition, Events, Fidelity, Result, Reuse, SamplingParams, SegmentReport, Stats
+from kvbaton.types import AgentInfo, Composition, Events, Fidelity, Result, Reuse, SamplingParams, Stats
 
-from .attention import ATTN_IMPLEMENTATION
-from .audit import FidelityAudit
-from .block_pool import BlockPool, PoolShape, blocks_for_budget
-from .compose import Composer, correction_config, top2_margin
-from .correction import AnchorPool, CorrectionConfig
-from .events import EventRing, ste_of
-from .eviction import EvictionPolicy
+from .cache.block_pool import BlockPool, PoolShape, blocks_for_budget
+from .cache.kv_manager import KVManager, prefix_cache_for
+from .cache.persist import Persistence, PersistentHandles
+from .cache.prefetch import Prefetcher
+from .cache.radix import RadixCache
+from .cache.sequence import KVState
+from .cache.tiers import TierSpec, claim_tiers
+from .compute.attention import ATTN_IMPLEMENTATION
+from .compute.loader import LoadedModel, load_model
+from .compute.selector import select_runner
+from .config import EngineConfig
+from .events import CacheEvents, EventRing
 from .handles import HandleTable, Identity
+from .hosting import ConfiguredEngine, check_partition
 from .inputs import Context, Inputs
-from .kv_manager import KVManager, prefix_cache_for
-from .lifecycle import Lifecycle
-from .loader import LoadedModel, load_model
-from .model_runner import ModelRunner
-from .prefetch import Prefetcher
-from .rotary import RopeShifter
-from .scheduler import Scheduler
-from .spans import MIN_SPAN, TAIL, SpanIndex
-from .sequence import KVState
+from .reuse.audit import FidelityAudit
+from .reuse.compose import Composer
+from .reuse.correction import AnchorPool, CorrectionConfig
+from .reuse.place import AutoReuse, Placer
+from .reuse.rotary import RopeShifter
+from .reuse.spans import MIN_SPAN, SpanIndex
+from .runtime.lifecycle import Lifecycle
+from .runtime.scheduler import Scheduler
 from .stats import engine_stats
-from .persist import Persistence, block_keys, state_dir
-from .tiers import claim_tiers
+from .tenants import SHARED, Agent, AgentRef, TenantPartition, check_agent_of
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_BUDGET = "1GiB"
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_PREFILL_CHUNK = 512
-DEFAULT_MAX_BATCH_TOKENS = 2048  # per forward, as vLLM's and SGLang's default step budgets
-DEFAULT_LOOKAHEAD = 2
 MAX_FORK = 1024
-DEFAULT_AUDIT_FRACTION = 0.05  # every 20th approximate answer is checked against dense prefill
-
-HandleLike = Handle | str
 
 
-class Engine:
-    """In-process inference engine with a paged, refcounted KV pool. Thread-safe."""
+class Engine(ConfiguredEngine):
+    """In-process inference engine with a paged, refcounted KV pool. Thread-safe.
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        kv_budget: int | str = DEFAULT_KV_BUDGET,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-        prefix_cache: bool = True,
-        eviction: str | EvictionPolicy = "ste",
-        tiers: Sequence[str] = (),
-        tier_eviction: str | None = None,
-        prefetch: bool = True,
-        lookahead: int = DEFAULT_LOOKAHEAD,
-        correction: CorrectionConfig | Mapping[str, Any] | None = None,
-        fast_decode: bool = True,
-        reuse: Reuse = "exact",
-        audit_fraction: float = DEFAULT_AUDIT_FRACTION,
-        chat_template: str | None = None,
-        event_capacity: int = 4096,
-        persist: bool = False,
-    ) -> None:
-        check_reuse(reuse)
-        self.reuse: Reuse = reuse
-        if block_size < 1 or prefill_chunk < 1 or max_batch_tokens < 1 or lookahead < 0:
-            raise InvalidRequest("block_size, prefill_chunk and max_batch_tokens must be positive, lookahead >= 0")
-        if tiers and not prefix_cache:
-            raise InvalidRequest("slow tiers hold evicted prefix-cache blocks: they need prefix_cache=True")
-        self.correction = correction_config(correction) or CorrectionConfig()
-        # Tier directories first: a bad spec or an unwritable directory fails before the model loads.
-        claimed = claim_tiers(tiers)
-        disk = next((t.dir.path for t in claimed if t.dir is not None), None)
-        if persist and disk is None:
-            for tier in claimed:
-                tier.release()
-            raise InvalidRequest(
-                "persist=True keeps handles in a disk tier's directory: configure one, e.g. 'disk:4GiB'"
-            )
+    Implements :class:`kvbaton.ops.EngineOps` and the hosted-engine contract of a server and a
+    cluster's worker (:class:`.hosting.WorkerEngine`). Its knobs are one :class:`.config.EngineConfig`
+    (``self.config``), validated before anything is claimed or loaded."""
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **knobs: Any) -> None:
+        """``Engine(model, kv_budget=..., ...)``: the knobs of :class:`.config.EngineConfig`, or
+        ``Engine(config=...)`` (knobs given with it change it)."""
+        overrides = {"model": model, **knobs} if model is not None else knobs
+        self.config = EngineConfig.build(config, **overrides)
+        self.correction = self.config.correction or CorrectionConfig()
         self._ste: dict[str, float] = {}  # the agents' steps-to-execution, read live by the eviction policies
         self._ste_before_run: dict[str, float] = {}  # each hinted agent's STE just before a hint marked it running
-        self.event_ring = EventRing(event_capacity)  # what requests, evictions and prefetches did (events.py)
+        self.event_ring = EventRing(self.config.event_capacity)  # what requests, evictions and prefetches did
+        # Cross-prefix reuse: exact sources indexed by content (spans.py), live handles and what the prefix cache
+        # keeps of released ones, in the span partition of the request that made them (None: no cross-prefix reuse).
+        self.spans = SpanIndex(partition_of=self._span_partition, block_size=self.config.block_size)
+        # What the prefix cache and prefetch tell it; the blocks the cache lets go end the span index's views.
+        self._cache_events = CacheEvents(self.event_ring, self._ste, self.spans.cached.dropped)
+        self._partition: TenantPartition = SHARED  # one cache partition and one span partition until a server asks
+        # Tier directories first: an unwritable one fails before the model loads.
+        claimed = claim_tiers(self.config.tiers, persist=self.config.persist)
         try:
-            self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device,
+            self.loaded: LoadedModel = load_model(self.config.model, dtype=self.config.dtype, device=self.config.device,
                                                   attn_implementation=ATTN_IMPLEMENTATION)
-            lm = self.loaded
-            shape = PoolShape(lm.num_layers, lm.num_kv_heads, lm.head_dim, block_size, lm.dtype)
-            self.pool = BlockPool(shape, blocks_for_budget(kv_budget, shape.bytes_per_block), lm.device)
-            self.cache = prefix_cache_for(self.pool, self._ste, eviction, claimed, tier_eviction) if prefix_cache else None
+            self._build_memory(claimed)
         except BaseException:
             for tier in claimed:  # from here on the cache owns them (and closes them)
                 tier.release()
             raise
-        if self.cache is not None:
+        self._build_runtime()
+        self._build_reuse()
+        self._open_persistence(claimed)
+        log.info("engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens",
+                 self.loaded.name, self.config.dtype, self.config.device, self.pool.num_blocks, self.block_size)
+
+    # -- build steps (in this order) --------------------------------------------------------------
+    def _build_memory(self, claimed: list[TierSpec]) -> None:
+        """The block pool of the configured budget, and the prefix cache over it with its slow tiers."""
+        lm, c = self.loaded, self.config
+        self.block_size = c.block_size
+        shape = PoolShape(lm.num_layers, lm.num_kv_heads, lm.head_dim, c.block_size, lm.dtype)
+        self.pool = BlockPool(shape, blocks_for_budget(c.kv_budget, shape.bytes_per_block), lm.device)
+        self.cache: RadixCache | None = None
+        if c.prefix_cache:
+            self.cache = prefix_cache_for(self.pool, self._ste, c.eviction, claimed, c.tier_eviction,
+                                          self._cache_events)
             weakref.finalize(self, self.cache.close)  # removes disk-tier files, at exit too
-            self.cache.on_evict = self._evicted
-        self.runner = ModelRunner(lm, self.pool, fast_decode=fast_decode)
-        self.scheduler = Scheduler(self.runner, max_batch_tokens=max(max_batch_tokens, prefill_chunk))
+
+    def _build_runtime(self) -> None:
+        """The forward pass and its batching, the handle table, the KV manager, prefetch, the request
+        lifecycle."""
+        lm, c = self.loaded, self.config
+        self.runner = select_runner(lm, self.pool, fast_decode=c.fast_decode)
+        self.scheduler = Scheduler(self.runner, max_batch_tokens=max(c.max_batch_tokens, c.prefill_chunk))
         # The worker threads keep the pool alive: stop them when an unclosed engine is collected.
         weakref.finalize(self, self.scheduler.close)
         self.tokenizer = lm.tokenizer
-        self.block_size = block_size
-        self.prefill_chunk = prefill_chunk
-        self.lookahead = lookahead
         self.positions = Positions(rope_type=lm.rope_type, rope_theta=lm.rope_theta, rope_parameters=lm.rope_parameters)
         self.shifter = RopeShifter.from_model(lm.model, lm.rope_type, lm.rope_parameters)
         self._lock = threading.RLock()
@@ -143,50 +137,81 @@ class Engine:
             positions=self.positions, placement=Placement(device=str(lm.device), tier="device"),
             runs=f"{lm.name!r} in {lm.dtype}",
         ))
-        # The live handles are what a reservation may spill when the pool is full (spill.py).
-        self.kv = KVManager(self.pool, self.cache, self._lock, live=self.handles.states)
-        # The prefix-cache scope of a request's agent: one scope "" (everyone reuses everyone's
-        # prefixes) unless ``isolate_prefix_cache`` keeps tenants apart (a multi-tenant server).
-        self.cache_scope: Callable[[str | None], str | None] = _one_cache_scope
-        self.kv.scope = lambda state: self.cache_scope(state.agent)
+        # The live handles are what a reservation may spill when the pool is full (spill.py); a state's
+        # prefix-cache partition follows its tenant as the engine's partition says.
+        self.kv = KVManager(self.pool, self.cache, self._lock, live=self.handles.states,
+                            partition=self._cache_partition)
         self.prefetcher: Prefetcher | None = None
-        if self.cache is not None and self.cache.tiers and prefetch:
-            self.prefetcher = Prefetcher(self.kv, self._ste)
-            self.prefetcher.on_prefetch = self._prefetched
+        if self.cache is not None and self.cache.tiers and c.prefetch:
+            self.prefetcher = Prefetcher(self.kv, self._ste, self._cache_events)
             weakref.finalize(self, self.prefetcher.close)
-        self.inputs = Inputs(lm, chat_template)
-        self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, prefill_chunk, self.event_ring)
-        self.requests.predicted = self._predicted
-        # Cross-prefix reuse: every live exact state is indexed by content (spans.py). ``span_scope``
-        # maps a request's agent to the scope its spans may come from (None: no cross-prefix reuse);
-        # a multi-tenant server sets it to the agent's tenant.
-        self.span_scope: Callable[[str | None], str | None] = lambda agent: ""
-        self.spans = SpanIndex(live=self.handles.find)
-        self.requests.on_register = self._index
-        self.requests.on_drop = self.spans.remove
-        if not 0 <= audit_fraction <= 1:
-            raise InvalidRequest(f"audit_fraction must be in [0, 1], got {audit_fraction!r}")
-        # The audit thread must not keep an unclosed engine alive: it holds a proxy, and is stopped
-        # when the engine is collected.
-        self.audit = FidelityAudit(functools.partial(Engine._dense_argmax, weakref.proxy(self)), audit_fraction)
+        self.inputs = Inputs(lm, c.chat_template)
+        # The lifecycle keeps the index in step with the live states and reads the hints' predictions.
+        self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, c.prefill_chunk, self.event_ring,
+                                  self.spans, self._ste_before_run)
+
+    def _build_reuse(self) -> None:
+        """Cross-prefix reuse: the fidelity audit (its dense re-checks are lifecycle requests, run as
+        background work on the scheduler), the placer and the composer."""
+        self.audit = FidelityAudit(self.requests.first_token, self.config.audit_fraction)
         weakref.finalize(self, self.audit.close)
-        # A proxy: the composer calls the public operators without keeping the engine alive.
-        self.composer = Composer(
-            self.kv, self.handles, self.requests, self.inputs, self.shifter, weakref.proxy(self), self.correction,
-            lm.num_kv_heads, lm.head_dim,
+        self.placer = Placer(self.kv, self.shifter, self.correction, self.spans, self.audit,
+                             self.loaded.num_kv_heads, self.loaded.head_dim)
+        self.composer = Composer(self.kv, self.handles, self.requests, self.inputs, self.placer)
+
+    def _open_persistence(self, claimed: list[TierSpec]) -> None:
+        """Handles of an earlier run of this configuration come back spilled: K/V from saved blocks or lineage."""
+        disk = next((t.dir for t in claimed if t.dir is not None), None)
+        self._persisted: PersistentHandles | None = PersistentHandles.open(
+            disk, self.config.persist, self.handles, self.kv, fingerprint=self.loaded.fingerprint,
+            dtype=str(self.loaded.dtype), tokens_of=lambda h: self.inputs.tokens(h.token_ids(), what="lineage"),
         )
-        # Handles of an earlier run of this configuration come back spilled: K/V from saved blocks or lineage.
-        self.persistence: Persistence | None = None
-        if persist:
-            assert disk is not None
-            self.persistence = Persistence(state_dir(disk), fingerprint=lm.fingerprint, dtype=str(lm.dtype),
-                                           block_size=block_size)
-            self._restore()
-        elif disk is not None and state_dir(disk).exists():
-            log.warning("%s holds handles persisted by an earlier run: they are kept, not served (start with "
-                        "persist on to serve them)", state_dir(disk))
-        log.info("engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens",
-                 lm.name, dtype, device, self.pool.num_blocks, block_size)
+
+    # -- the hosted-engine contract (hosting.py) ----------------------------------------------------
+    @property
+    def partitionable(self) -> TenantPartition:
+        """Both the prefix cache and the span index are partitioned per tenant on request."""
+        return TenantPartition(prefix_cache=True, spans=True)
+
+    def partition_tenants(self, partition: TenantPartition) -> None:
+        """Keep tenants apart as ``partition`` says (see :class:`.tenants.TenantPartition`).
+
+        Changing the prefix cache's partition drops the prefix cache (what it holds is in the old partitions,
+        where no request would look) and puts a persistent engine's saved blocks back in their new partitions:
+        call it before serving. Spans already indexed keep the partition they were indexed in."""
+        check_partition(self, partition, self.partitionable)
+        with self._lock:
+            flush = partition.prefix_cache != self._partition.prefix_cache
+            self._partition = partition
+            if flush and self.cache is not None:
+                self.cache.flush()
+        if flush and self._persisted is not None:
+            self._persisted.place_saved(self._persisted.spilled())
+
+    @property
+    def persistence(self) -> Persistence | None:
+        return self._persisted.persistence if self._persisted is not None else None
+
+    def _cache_partition(self, state: KVState) -> str | None:
+        """The prefix-cache partition of a state: its tenant's, or the one shared partition (None: none)."""
+        return self._partition.cache_partition(state.tenant)
+
+    def _span_partition(self, state: KVState) -> str | None:
+        """The span partition a state's spans are indexed in (None: its spans are no sources)."""
+        return self._partition.span_partition(state.tenant, self._session_partition(state.session))
+
+    def _session_partition(self, session: str | None) -> str | None:
+        """The session that partitions approximate reuse (``span_partition``): the request's, or none (tenant-wide)."""
+        return session if self.config.span_partition == "session" else None
+
+    def _share(
+        self, ref: AgentRef, parent: KVState | None, keep: int, added: Sequence[int], step: LineageStep
+    ) -> KVState:
+        """A new state of ``ref``'s request (its partitions follow its tenant): ``parent``'s first ``keep``
+        tokens (their K/V shared), then ``added``."""
+        state = self.kv.share(parent, keep, added, step)
+        state.tenant, state.session = ref.tenant, ref.session
+        return state
 
     @property
     def placement(self) -> Placement:
@@ -211,15 +236,17 @@ class Engine:
         return KVBATON
 
     # -- handle operators ---------------------------------------------------------------------
-    def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
+    def materialize(self, context: Context, *, agent: Agent | None = None) -> Handle:
+        ref = AgentRef.of(agent)
         tokens = self.inputs.tokens(context, what="context")
         self.inputs.check_context(len(tokens))
-        state = self.kv.share(None, 0, tokens, LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)))
-        return self.requests.prefill(state, agent)
+        state = self._share(ref, None, 0, tokens, LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)))
+        return self.requests.prefill(state, ref)
 
-    def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
+    def extend(self, handle: HandleLike, context: Context, *, agent: Agent | None = None) -> Handle:
+        ref = AgentRef.of(agent)
         tokens = self.inputs.tokens(context, what="context")
-        return self.requests.prefill(self._behind(handle, tokens, Op.EXTEND), agent)
+        return self.requests.prefill(self._behind(ref, handle, tokens, Op.EXTEND), ref)
 
     def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_FORK:
@@ -234,21 +261,22 @@ class Engine:
             return children
 
     def resume(self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
-               agent: str | None = None) -> Result:
+               agent: Agent | None = None) -> Result:
         return self.resume_stream(handle, suffix, sampling, agent=agent).until_done()
 
     def resume_stream(self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
-                      agent: str | None = None) -> TokenStream:
+                      agent: Agent | None = None) -> TokenStream:
+        ref = AgentRef.of(agent)
         params = sampling or SamplingParams()
         tokens = self.inputs.tokens(suffix, what="suffix", allow_empty=True)
-        return self.requests.stream(self._behind(handle, tokens, Op.RESUME, params.max_tokens), params, agent)
+        return self.requests.stream(self._behind(ref, handle, tokens, Op.RESUME, params.max_tokens), params, ref)
 
-    def complete(self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
+    def complete(self, prompt: Context, sampling: SamplingParams | None = None, *, agent: Agent | None = None,
                  reuse: Reuse | None = None) -> Result:
         return self.complete_stream(prompt, sampling, agent=agent, reuse=reuse).until_done()
 
     def complete_stream(
-        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
+        self, prompt: Context, sampling: SamplingParams | None = None, *, agent: Agent | None = None,
         reuse: Reuse | None = None,
     ) -> TokenStream:
         """Plain completion of raw text or tokens, no handle and no chat template (``reuse`` as for generate)."""
@@ -259,7 +287,7 @@ class Engine:
 
     def generate(
         self, messages: Messages, *, handle: HandleLike | None = None, sampling: SamplingParams | None = None,
-        tools: list[dict[str, Any]] | None = None, agent: str | None = None, reuse: Reuse | None = None,
+        tools: list[dict[str, Any]] | None = None, agent: Agent | None = None, reuse: Reuse | None = None,
     ) -> Result:
         return self.generate_stream(
             messages, handle=handle, sampling=sampling, tools=tools, agent=agent, reuse=reuse
@@ -267,7 +295,7 @@ class Engine:
 
     def generate_stream(
         self, messages: Messages, *, handle: HandleLike | None = None, sampling: SamplingParams | None = None,
-        tools: list[dict[str, Any]] | None = None, agent: str | None = None, reuse: Reuse | None = None,
+        tools: list[dict[str, Any]] | None = None, agent: Agent | None = None, reuse: Reuse | None = None,
     ) -> TokenStream:
         """Chat-templated generation reusing ``handle``'s K/V (or the prefix cache's) for the longest
         common token prefix; with ``reuse="auto"``/``"rotate"`` also spans that other agents computed
@@ -278,86 +306,44 @@ class Engine:
         return self._generation(prompt, handle, params, agent, reuse)
 
     def _generation(
-        self, prompt: list[int], handle: HandleLike | None, params: SamplingParams, agent: str | None,
+        self, prompt: list[int], handle: HandleLike | None, params: SamplingParams, agent: Agent | None,
         reuse: Reuse | None,
     ) -> TokenStream:
         check_reuse(reuse)
-        check_agent(agent)
-        policy = reuse or self.reuse
-        scope = self.span_scope(agent) if policy != "exact" else None
+        ref = AgentRef.of(agent)
+        policy = reuse or self.config.reuse
+        partition = (self._partition.span_partition(ref.tenant, self._session_partition(ref.session))
+                     if policy != "exact" else None)
         with self._lock:
             parent = self.handles.get(handle) if handle is not None else None
             keep = common_prefix_length(parent.token_ids, prompt) if parent is not None else 0
-            if scope is not None:
+            if policy == "exact" and parent is not None and parent.exact_len is not None:
+                keep = min(keep, parent.exact_len)  # exact asked: an approximate handle's rest is recomputed densely
+            if partition is not None:
                 # The agent's own earlier approximate turn: resume it rather than re-prefill its transcript.
-                own, n = self.spans.approximate_prefix(prompt, scope)
-                if own is not None and n >= max(keep, self.kv.cached_prefix(prompt, self.cache_scope(agent))) + MIN_SPAN:
+                own, n = self.spans.approximate_prefix(prompt, partition)
+                cache_partition = self._partition.cache_partition(ref.tenant)
+                if own is not None and n >= max(keep, self.kv.cached_prefix(prompt, cache_partition)) + MIN_SPAN:
                     parent, keep = own, n
             if parent is None:
-                state = self.kv.share(None, 0, prompt, LineageStep(op=Op.GENERATE, token_ids=tuple(prompt)))
+                state = self._share(ref, None, 0, prompt, LineageStep(op=Op.GENERATE, token_ids=tuple(prompt)))
             else:
                 step = LineageStep(
                     op=Op.GENERATE, parent=parent.id, keep=None if keep == parent.num_tokens else keep,
                     token_ids=tuple(prompt[keep:]),
                 )
-                state = self.kv.share(parent, keep, prompt[keep:], step)
-        prepare = None if scope is None else functools.partial(self._place_spans, policy=policy, scope=scope)
-        return self.requests.stream(state, params, agent, prepare)
-
-    def _place_spans(
-        self, state: KVState, *, policy: Reuse, scope: str
-    ) -> tuple[torch.Tensor, list[SegmentReport]]:
-        """Cross-prefix reuse for an admitted request: place the spans of its prompt that live states of
-        ``scope`` hold (after its exact prefix), compute the rest, and, under ``"auto"``, recompute
-        densely from the first approximated token when the next token looks unsure (lock not held)."""
-        with self._lock:
-            # The prompt's last TAIL tokens are always computed (the last one: the request needs its logits).
-            end = max(state.num_cached, state.num_tokens - TAIL)
-            found = self.spans.find(state.token_ids, state.num_cached, end, scope)
-            pinned = [b for m in found for b in m.source.blocks]
-            self.kv.pin(pinned)  # the sources may be released meanwhile: keep their K/V readable
-        try:
-            mode = "blend" if policy == "auto" else "rotate"
-            reports = self.composer.place_all(
-                state, [(m.source, m.start, m.start + m.length, m.offset) for m in found], mode
-            )
-            logits = self.requests.compute(state)
-            approximated = [r.offset + r.tokens_cached for r in reports if r.outcome in ("rotated", "blended")]
-            if approximated and policy == "auto":
-                margin = top2_margin(logits)
-                threshold = self.audit.margin_for(state.agent, self.correction.blend_min_margin)
-                if margin < threshold:
-                    reports = self.composer.recompute_unsure(state, reports, margin, threshold, min(approximated))
-                    assert state.last_logits is not None
-                    logits = state.last_logits
-            if state.exact_len is not None:  # answered from approximate K/V: maybe checked, in the background
-                self.audit.submit(state.agent, state.token_ids, int(logits.argmax()))
-            return logits, reports
-        finally:
-            self.kv.unpin(pinned)
-
-    def _dense_argmax(self, prompt: list[int]) -> int:
-        """The next-token argmax after ``prompt`` on the exact path (the fidelity audit's reference), as
-        background work: it never delays a request by more than one small chunk."""
-        with self.scheduler.background():
-            result = self.complete(prompt, SamplingParams(max_tokens=1), reuse="exact")
-        self.release(result.handle)
-        return result.token_ids[0]
-
-    def _index(self, state: KVState) -> None:
-        """A new live state's spans become sources for other requests of its scope (lock held)."""
-        scope = self.span_scope(state.agent)
-        if scope is not None:
-            self.spans.add(state, scope)
+                state = self._share(ref, parent, keep, prompt[keep:], step)
+        reuse_step = None if partition is None else AutoReuse(self.placer, policy, partition)
+        return self.requests.stream(state, params, ref, reuse_step)
 
     def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
         with self._lock:
             released = self.handles.release(handles)  # all or nothing
             for _, state in released:
+                self.spans.release(state, self.kv.held_by_cache(state))  # its cached blocks stay sources
                 self.kv.drop(state)
-                self.spans.remove(state.id)
-        if self.persistence is not None:  # durable: a released handle never comes back
-            self.persistence.journal.release([hid for hid, _ in released])
+        if self._persisted is not None:  # durable: a released handle never comes back
+            self._persisted.released([hid for hid, _ in released])
 
     def describe(self, handle: HandleLike) -> Handle:
         """The current metadata of a live handle."""
@@ -373,48 +359,34 @@ class Engine:
         """The events after sequence number ``since`` (requests, evictions, prefetches; events.py)."""
         return self.event_ring.since(since)
 
-    def _evicted(self, nodes: list[Any], tier: str) -> None:
-        """An eviction round of the prefix cache, with the steps-to-execution that ranked it (lock held)."""
-        assert self.cache is not None
-        owners = {agent for node in nodes for agent in node.owners}
-        self.event_ring.emit("evict", blocks=len(nodes), tier=tier, policy=self.cache.policy.name,
-                             steps_to_execution=ste_of(owners, self._ste))
-
-    def _predicted(self, agent: str | None) -> float | None:
-        """The steps-to-execution the hints gave ``agent`` just before it ran (None: unknown)."""
-        if not isinstance(agent, str):
-            return None
-        with self._lock:
-            value = self._ste_before_run.get(agent)
-        return None if value is None or math.isinf(value) else value
-
-    def _prefetched(self, agent: str, loaded: dict[str, int]) -> None:
-        for tier, blocks in loaded.items():
-            self.event_ring.emit("prefetch", agent=agent, blocks=blocks, tier=tier)
-
-    def _behind(self, handle: HandleLike, tokens: list[int], op: Op, max_new_tokens: int = 0) -> KVState:
-        """A new state: ``handle``'s tokens (their K/V shared) followed by ``tokens``."""
+    def _behind(self, ref: AgentRef, handle: HandleLike, tokens: list[int], op: Op, max_new_tokens: int = 0) -> KVState:
+        """A new state of ``ref``'s request: ``handle``'s tokens (their K/V shared) followed by ``tokens``."""
         with self._lock:
             parent = self.handles.get(handle)
             self.inputs.check_context(parent.num_tokens + len(tokens), max_new_tokens)
             step = LineageStep(op=op, parent=parent.id, token_ids=tuple(tokens))
-            return self.kv.share(parent, parent.num_tokens, tokens, step)
+            return self._share(ref, parent, parent.num_tokens, tokens, step)
 
     # -- composition of shared segments (compose.py) --------------------------------------------
     def compose(
         self, prefix: HandleLike | Context | None = None, segments: Sequence[Segment | Handle] = (),
-        suffix: Context | None = None, *, agent: str | None = None, mode: str = "auto",
+        suffix: Context | None = None, *, agent: Agent | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
         """Assemble ``prefix + segments + suffix`` from existing K/V (see :meth:`.compose.Composer.compose`)."""
-        return self.composer.compose(prefix, segments, suffix, agent=agent, mode=mode, correction=correction)
+        ref = AgentRef.of(agent)
+        check_agent_of(ref)
+        return self.composer.compose(prefix, segments, suffix, agent=ref.label, tenant=ref.tenant, mode=mode,
+                                     correction=correction)
 
     def merge(
-        self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+        self, parts: Sequence[Segment | Handle], *, agent: Agent | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
         """Restricted merge: never blends divergent K/V of the same positions (see :meth:`.compose.Composer.merge`)."""
-        return self.composer.merge(parts, agent=agent, mode=mode, correction=correction)
+        ref = AgentRef.of(agent)
+        check_agent_of(ref)
+        return self.composer.merge(parts, agent=ref.label, tenant=ref.tenant, mode=mode, correction=correction)
 
     def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
         """A handle's continuation against dense prefill of its tokens (see :meth:`.compose.Composer.fidelity`)."""
@@ -422,7 +394,7 @@ class Engine:
 
     def anchor_pool(self, correction: CorrectionConfig | Mapping[str, Any] | None = None) -> AnchorPool:
         """The anchor pools used with ``correction`` settings (the engine's own by default)."""
-        return self.composer.anchor_pool(correction)
+        return self.placer.anchor_pool(correction)
 
     def next_token_logits(self, handle: HandleLike, suffix: Context = "") -> torch.Tensor:
         """fp32 next-token logits after ``handle`` + ``suffix``, computed on the reuse path.
@@ -436,24 +408,35 @@ class Engine:
         return self.composer.read_rows(handle, start, n)
 
     # -- workflow awareness ---------------------------------------------------------------------
-    def register_agent(self, name: str, fixed_prompt: Context | Messages, *, prefill: bool = False) -> AgentInfo:
+    def register_agent(self, name: Agent, fixed_prompt: Context | Messages, *, prefill: bool = False) -> AgentInfo:
         """Declare an agent's fixed prompt (system prompt, tools, few-shot) for workflow-aware caching.
 
         ``fixed_prompt`` is text, token ids, or chat messages (rendered without the generation
         prompt, so it is a prefix of the agent's requests). The radix nodes spelling it take the
-        agent's steps-to-execution. With ``prefill=True`` it is computed into the cache now.
+        agent's steps-to-execution (hints name it by its label). With ``prefill=True`` it is computed
+        into the cache now.
         """
-        check_agent(name)
-        if name is None:
+        ref = AgentRef.of(name)
+        check_agent_of(ref)
+        if ref.name is None:
             raise InvalidRequest("agent name is required")
         tokens = self.inputs.prompt_or_messages(fixed_prompt, "fixed_prompt")
         self.inputs.check_context(len(tokens))
+        info = AgentInfo(name=ref.label, fixed_tokens=len(tokens))
         with self._lock:
-            if self.cache is not None:  # in the agent's own scope: prefetch loads its path there
-                self.cache.register_agent(name, tokens, self.cache_scope(name) or "")
-        if prefill:
-            self.release(self.materialize(tokens, agent=name))
-        return AgentInfo(name=name, fixed_tokens=len(tokens))
+            if self.cache is not None:  # in the agent's own partition: prefetch loads its path there
+                self.cache.register_agent(info.name, tokens, self._partition.cache_partition(ref.tenant) or "")
+        if prefill:  # computed into that partition now
+            self.release(self.materialize(tokens, agent=ref))
+        return info
+
+    def unregister_agent(self, name: Agent) -> bool:
+        """Forget an agent's registration: its fixed prompt's token ids, and the priority its nodes had
+        in the cache; whether it was registered."""
+        ref = AgentRef.of(name)
+        check_agent_of(ref)
+        with self._lock:
+            return self.cache.unregister_agent(ref.label) if self.cache is not None else False
 
     def hints(
         self, steps: Mapping[str, float] | Any, *, running: Iterable[str] = (), finished: Iterable[str] = ()
@@ -470,11 +453,12 @@ class Engine:
                 if value == 0:  # running now: keep what the last hint said before it ran
                     prev = self._ste.get(agent, math.inf)
                     before[agent] = prev if prev != 0 else self._ste_before_run.get(agent, math.inf)
-            self._ste_before_run = before
+            self._ste_before_run.clear()  # in place: the lifecycle reads this map
+            self._ste_before_run.update(before)
             self._ste.clear()
             self._ste.update(ste)
             if self.prefetcher is not None:
-                due = sorted((v, a) for a, v in ste.items() if v <= self.lookahead)
+                due = sorted((v, a) for a, v in ste.items() if v <= self.config.lookahead)
                 self.prefetcher.submit([a for _, a in due])
         return dict(ste)
 
@@ -484,33 +468,10 @@ class Engine:
             if self.cache is not None:
                 self.cache.flush()
 
-    def cached_prefix(self, tokens: Sequence[int], agent: str | None = None) -> int:
+    def cached_prefix(self, tokens: Sequence[int], agent: Agent | None = None) -> int:
         """How many leading ``tokens`` the prefix cache holds on the device for ``agent``'s requests
         (what a prefill of them would skip): lets a multi-device coordinator predict a recompute's real cost."""
-        return self.kv.cached_prefix(tokens, self.cache_scope(agent))
-
-    def isolate_prefix_cache(self, isolate: bool = True) -> None:
-        """Keep tenants' prefix caches apart (``isolate``), or share one (the default).
-
-        Isolated, a request of agent ``t/a`` (a multi-tenant server's name of tenant ``t``'s agent
-        ``a``; ``t/`` for its agentless requests) reuses, waits on and loads back only prefix-cache
-        blocks that requests of tenant ``t`` put there; a request whose tenant is unknown (no agent,
-        or one without ``/``: engine-internal work, a handle moved in from another worker) neither
-        reads nor feeds the cache.
-
-        Changing it drops the prefix cache (what it holds is in the old scopes, where no request would
-        look) and puts a persistent engine's saved blocks back in their new scopes: call it before serving."""
-        scope = tenant_cache_scope if isolate else _one_cache_scope
-        if scope is self.cache_scope:
-            return
-        with self._lock:
-            self.cache_scope = scope
-            if self.cache is not None:
-                self.cache.flush()
-            restored = [s for hid, s in self.handles.items() if hid in self.kv.spiller.spilled]
-        if self.persistence is not None:
-            for state in restored:
-                self._place_saved(state)
+        return self.kv.cached_prefix(tokens, self._partition.cache_partition(AgentRef.of(agent).tenant))
 
     # -- moving state between engines (multi-device) ------------------------------------------------
     def transfer(self, handle: HandleLike, device: int | str) -> Handle:
@@ -534,7 +495,7 @@ class Engine:
 
     def adopt(
         self, handle: Handle, kv: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None, num_cached: int = 0,
-        *, agent: str | None = None,
+        *, agent: Agent | None = None,
     ) -> Handle:
         """Register ``handle`` (same id and lineage) in this engine.
 
@@ -543,15 +504,17 @@ class Engine:
         """
         if not isinstance(handle, Handle):
             raise InvalidRequest("adopt needs a Handle with its lineage")
+        ref = AgentRef.of(agent)
         self.handles.id_of(handle)  # the compatibility check
         tokens = self.inputs.tokens(handle.token_ids(), what="lineage")
         if len(tokens) != handle.num_tokens or not 0 <= num_cached <= len(tokens):
             raise InvalidRequest(f"handle {handle.id} lineage does not spell its {handle.num_tokens} tokens")
         if handle.id in self.handles:
             raise InvalidRequest(f"handle {handle.id} already lives in this engine")
-        state = KVState(id=handle.id, token_ids=tokens, blocks=[], num_cached=0, lineage=handle.lineage)
+        state = KVState(id=handle.id, token_ids=tokens, blocks=[], num_cached=0, lineage=handle.lineage,
+                        tenant=ref.tenant)
         if kv is None or num_cached == 0:
-            return self.requests.prefill(state, agent)  # recomputed densely: exact again
+            return self.requests.prefill(state, ref)  # recomputed densely: exact again
         if not handle.exact:
             state.exact_len = 0  # approximate K/V (compose) stay out of the prefix cache wherever they go
         try:
@@ -579,86 +542,9 @@ class Engine:
         """Journal live exact handles (for ``owner``, a server's tenant): they come back after a
         restart of this configuration, until released. A server journals every handle it records;
         in process, call this for the handles to keep. Approximate handles are not journaled."""
-        if self.persistence is None:
+        if self._persisted is None:
             raise InvalidRequest("persistence is off: build the engine with persist=True and a disk tier")
-        handles = list(handles)
-        for handle in handles:
-            self.handles.get(handle)  # live here, or the typed error
-        self.persistence.journal.add(owner, handles)
-
-    def _restore(self) -> None:
-        """Register the journal's handles as spilled, and put their saved blocks in the prefix cache."""
-        assert self.persistence is not None
-        journal, store, bs = self.persistence.journal, self.persistence.blocks, self.block_size
-        gone, needed = [], set()
-        for entry in journal.live():
-            handle = entry.handle
-            try:
-                self.handles.identity.check(handle)  # type: ignore[union-attr]
-                tokens = self.inputs.tokens(handle.token_ids(), what="lineage")
-                if len(tokens) != handle.num_tokens or handle.id in self.handles:
-                    raise InvalidRequest(f"handle {handle.id} lineage does not spell its {handle.num_tokens} tokens")
-            except Exception as exc:  # noqa: BLE001 - one bad record costs its handle, not the start
-                log.warning("persisted handle %s is dropped: %s", handle.id, exc)
-                gone.append(handle.id)
-                continue
-            # A server journals its tenant as the owner: "tenant/" is that tenant's agentless request, so the
-            # handle's blocks go to (and are found in) its tenant's prefix-cache scope.
-            agent = entry.agent or (f"{entry.owner}/" if entry.owner else None)
-            state = KVState(id=handle.id, token_ids=tokens, blocks=[], num_cached=0, lineage=handle.lineage,
-                            agent=agent)
-            with self._lock:
-                self.handles.add(handle.id, state)
-                self.kv.spiller.spilled.add(handle.id)
-            needed.update(block_keys(tokens, bs, len(tokens) // bs))
-            self._place_saved(state)
-        journal.release(gone)
-        store.keep_only(needed)
-        log.info("restored %d persisted handle(s)", len(journal.live()))
-
-    def _place_saved(self, state: KVState) -> None:
-        """Put the saved blocks of a restored (spilled) handle in the prefix cache, in its scope: its next
-        use attaches them there. A block never saved or unreadable stops it: the rest is recomputed."""
-        assert self.persistence is not None
-        store, bs = self.persistence.blocks, self.block_size
-        keys = block_keys(state.token_ids, bs, len(state.token_ids) // bs)
-
-        def read(i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-            if keys[i] not in store:
-                return None  # never saved (a crash, a full disk): recomputed from the lineage
-            try:
-                return store.get(keys[i])
-            except Exception as exc:  # noqa: BLE001 - missing or corrupted: recomputed, never used
-                log.warning("%s; those tokens will be recomputed", exc)
-                return None
-
-        self.kv.cache_blocks(state.token_ids, len(keys), read, self.kv.scope(state))
-
-    def _save(self) -> None:
-        """Save the full blocks of every journaled live handle the store lacks; delete the others."""
-        assert self.persistence is not None
-        store, bs, needed = self.persistence.blocks, self.block_size, set()
-        failed: Exception | None = None
-        for entry in self.persistence.journal.live():
-            state = self.handles.find(entry.handle.id)
-            if state is None:
-                continue
-            keys = block_keys(state.token_ids, bs, len(state.token_ids) // bs)
-            needed.update(keys)
-            for i, key in enumerate(keys):
-                if failed is not None or key in store:
-                    continue
-                data = self.kv.full_block(state, i)
-                if data is None:
-                    break  # recomputed from the lineage after the restart
-                try:
-                    store.put(key, *data)
-                except Exception as exc:  # noqa: BLE001 - a full disk (safetensors' own error type)
-                    failed = exc
-        if failed is not None:
-            log.warning("saving the live handles' blocks stopped (%s): the rest are recomputed after the restart",
-                        failed)
-        store.keep_only(needed)
+        self._persisted.add(handles, owner)
 
     def close(self) -> None:
         """Stop the prefetch worker and delete slow-tier files. Live handles become unusable; with
@@ -667,12 +553,11 @@ class Engine:
             self.prefetcher.close()
             self.prefetcher = None
         with self._lock:
-            if self.persistence is not None:
+            if self._persisted is not None:
                 try:
-                    self._save()
+                    self._persisted.close()  # the journaled live handles' blocks saved first
                 finally:
-                    self.persistence.close()
-                    self.persistence = None
+                    self._persisted = None
             if self.cache is not None:
                 self.cache.close()
             for state in self.handles.states():
@@ -680,16 +565,6 @@ class Engine:
                 self.handles.discard(state.id)
             self.spans.clear()
         self.audit.close()
-        self.composer.close()
+        self.placer.close()
         self.scheduler.close()
 
-
-def _one_cache_scope(agent: str | None) -> str:
-    """One prefix-cache scope for every request (an embedded engine, a single-tenant server)."""
-    return ""
-
-
-def tenant_cache_scope(agent: str | None) -> str | None:
-    """The prefix-cache scope of a multi-tenant server's engine agent name ``tenant/agent``: its tenant
-    (None, no prefix cache, when the name has no tenant part: whose the state is is unknown)."""
-    return agent.split("/", 1)[0] if agent and "/" in agent else None

@@ -2,9 +2,10 @@
 
 :class:`EventRing` keeps the last ``capacity`` :class:`~kvbaton.types.Event` records with monotonic
 sequence numbers (from 1), thread safe; ``since(seq)`` pages through it and says how many events a
-slow reader lost to the bound. The engine's parts emit through thin hooks (``lifecycle`` for
-requests, the radix cache for evictions, the prefetcher for prefetches); filtering by tenant is the
-server's business (``server/state.py``), as for stats.
+slow reader lost to the bound. The engine's parts are given what they emit through when they are
+built: the lifecycle the ring (requests), the radix cache and the prefetcher a :class:`CacheEvents`
+(evictions, prefetches); filtering by tenant is the server's business (``server/state.py``), as for
+stats.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvbaton.errors import InvalidRequest
@@ -55,6 +56,35 @@ class EventRing:
         with self._lock:
             events = list(self._events)
         return page(events, seq, limit, self.capacity)
+
+
+class CacheEvents:
+    """What the prefix cache and the prefetcher tell the ring: each eviction round and each agent's
+    blocks brought back, with the steps-to-execution the hints gave the agents concerned (``ste``, the
+    engine's live map, read under the engine lock by the caller); and, to ``blocks_dropped`` (the span
+    index's views of cached blocks), every device block the cache lets go."""
+
+    def __init__(
+        self, ring: EventRing, ste: Mapping[str, float], blocks_dropped: Callable[[Sequence[int]], None] | None = None,
+    ) -> None:
+        self.ring = ring
+        self._ste = ste
+        self._blocks_dropped = blocks_dropped
+
+    def dropped(self, blocks: Sequence[int]) -> None:
+        """The cache no longer holds these device blocks (evicted, offloaded, flushed): their ids may be
+        handed out again for other tokens (called under the engine lock, before the pool sees them freed)."""
+        if self._blocks_dropped is not None and blocks:
+            self._blocks_dropped(blocks)
+
+    def evicted(self, owners: Iterable[str], blocks: int, tier: str, policy: str) -> None:
+        """``blocks`` evicted to ``tier`` (``"dropped"``: to none), nodes of ``owners``' fixed prompts among them."""
+        self.ring.emit("evict", blocks=blocks, tier=tier, policy=policy, steps_to_execution=ste_of(owners, self._ste))
+
+    def prefetched(self, agent: str, loaded: Mapping[str, int]) -> None:
+        """``agent``'s blocks brought back, per tier they came from."""
+        for tier, blocks in loaded.items():
+            self.ring.emit("prefetch", agent=agent, blocks=blocks, tier=tier)
 
 
 def check_since(seq: Any) -> None:

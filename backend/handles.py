@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, InvalidRequest
-from kvbaton.handle import Handle, LineageStep, Placement, Positions
+from kvbaton.handle import Handle, HandleLike, LineageStep, Placement, Positions
 
 S = TypeVar("S")
-HandleLike = Handle | str
 
 RELEASED_MEMORY = 1_000_000  # remembered released ids
 

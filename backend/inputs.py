@@ -14,11 +14,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from kvbaton.errors import ContextTooLong, InvalidRequest
+from kvbaton.errors import ContextTooLong, InvalidRequest, validation_error
 from kvbaton.tools import template_messages
 from kvbaton.types import ChatMessage
+from pydantic import ValidationError
 
-from .loader import LoadedModel
+from .compute.loader import LoadedModel
 
 Context = str | Sequence[int]
 
@@ -68,13 +69,13 @@ class Inputs:
             messages = template_messages([m.model_dump(exclude_none=True) if isinstance(m, ChatMessage) else m
                                           for m in messages], tools)
             tools = None
-        try:
-            rendered = [
-                (m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m)).model_dump(exclude_none=True)
-                for m in messages
-            ]
-        except Exception as exc:  # pydantic's ValidationError, or a non-mapping item
-            raise InvalidRequest(f"invalid chat message: {exc}") from exc
+        rendered = []
+        for i, m in enumerate(messages):
+            try:
+                rendered.append((m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m))
+                                .model_dump(exclude_none=True))
+            except ValidationError as exc:
+                raise validation_error([{**e, "loc": ("messages", i, *e["loc"])} for e in exc.errors()]) from None
         text = self.tokenizer.apply_chat_template(
             rendered, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
             chat_template=self.chat_template,
@@ -83,8 +84,9 @@ class Inputs:
 
     @functools.cached_property
     def _template_has_tools(self) -> bool:
-        """Whether the model's chat template renders ``tools`` and assistant ``tool_calls`` itself."""
-        template = getattr(self.tokenizer, "chat_template", None) or ""
+        """Whether the chat template (the engine's own, else the tokenizer's) renders ``tools`` and
+        assistant ``tool_calls`` itself."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None) or ""
         return "tools" in template and "tool_calls" in template
 
     def prompt_or_messages(self, value: Context | Sequence[ChatMessage | dict[str, Any]], what: str) -> list[int]:
@@ -116,7 +118,7 @@ class Inputs:
     def check_context(self, prompt_tokens: int, max_new_tokens: int = 0) -> None:
         limit = self._loaded.max_context
         if prompt_tokens + max_new_tokens > limit:
-            raise ContextTooLong(
+            raise ContextTooLong(  # the field to lower: max_tokens where the prompt alone fits
                 f"{prompt_tokens} prompt tokens + max_tokens {max_new_tokens} exceed the model's "
-                f"context of {limit} tokens"
+                f"context of {limit} tokens", param="max_tokens" if prompt_tokens < limit else "prompt",
             )

@@ -1,76 +1,25 @@
-"""``Stats`` assembled from the counters each part keeps: of one engine, and of a cluster.
+"""``Stats`` of one engine, assembled from the counters each part keeps.
 
-Of an engine: the pool says what is used, the KV manager where attached blocks came from, the
-request lifecycle how many tokens were reused, prefilled and generated; the caller holds the engine
-lock, so the numbers are one consistent snapshot. Of a cluster: the workers' own stats summed, with
-the placement decisions and the calibration of its cost model.
+The pool says what is used, the KV manager where attached blocks came from, the request counters
+(:mod:`.runtime.counters`) how many tokens were reused, prefilled and generated and the TTFTs per
+agent; the caller holds the engine lock, so the numbers are one consistent snapshot. A cluster's are
+its workers' summed (:mod:`.cluster.stats`).
 
-The one counter kept here, :class:`AgentLatencies` (the TTFTs per agent), is bounded whatever the
-traffic: the last :data:`TTFT_WINDOW` samples of each of the :data:`MAX_AGENTS` most recently seen
-agents, so a stream of fresh agent names cannot grow the engine's memory or the stats it builds.
+Below the engine and the lifecycle: it reads the request counters from their own leaf module, so
+neither is imported here.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from kvbaton.types import AgentStats, CacheStats, ClusterStats, Stats, WorkerStats
+from kvbaton.types import CacheStats, Stats
 
 if TYPE_CHECKING:
-    from .costmodel import CostModel
-    from .kv_manager import KVManager
-    from .lifecycle import RequestCounters
-    from .loader import LoadedModel
-    from .worker import WorkerClient
-
-TTFT_WINDOW = 1024  # samples per agent behind ttft_mean_s and ttft_p90_s
-MAX_AGENTS = 1024  # agents with stats; the least recently seen goes first
-
-
-@dataclass
-class _Agent:
-    requests: int = 0
-    ttft: deque[float] = field(default_factory=deque)
-
-
-class AgentLatencies:
-    """Time to first token per agent: a sliding window per agent, a bounded set of agents (LRU)."""
-
-    def __init__(self, window: int = TTFT_WINDOW, max_agents: int = MAX_AGENTS) -> None:
-        self.window = window
-        self.max_agents = max_agents
-        self._agents: OrderedDict[str, _Agent] = OrderedDict()
-
-    def record(self, agent: str, ttft: float) -> None:
-        entry = self._agents.get(agent)
-        if entry is None:
-            entry = self._agents[agent] = _Agent(ttft=deque(maxlen=self.window))
-            if len(self._agents) > self.max_agents:
-                self._agents.popitem(last=False)
-        else:
-            self._agents.move_to_end(agent)
-        entry.requests += 1
-        entry.ttft.append(ttft)
-
-    def __len__(self) -> int:
-        return len(self._agents)
-
-    def summary(self) -> dict[str, AgentStats]:
-        """Per agent: requests since it was last (re)admitted to the table, TTFT mean and p90 of the window."""
-        return {
-            name: AgentStats(requests=a.requests, ttft_mean_s=sum(a.ttft) / len(a.ttft), ttft_p90_s=_p90(a.ttft))
-            for name, a in self._agents.items()
-        }
-
-
-_SUMMED = (
-    "blocks_total", "blocks_used", "blocks_free", "blocks_shared", "blocks_cached", "blocks_cache_only",
-    "pool_bytes_total", "pool_bytes_used", "pool_bytes_free", "tokens_reused", "tokens_prefilled", "tokens_generated",
-    "tokens_approximate",
-)
+    from .cache.kv_manager import KVManager
+    from .compute.loader import LoadedModel
+    from .runtime.counters import RequestCounters
 
 
 def engine_stats(
@@ -96,6 +45,7 @@ def engine_stats(
         tokens_prefilled=requests.tokens_prefilled,
         tokens_generated=requests.tokens_generated,
         tokens_approximate=requests.tokens_approximate,
+        tokens_discarded=requests.tokens_discarded,
         # Blocks referenced by more than one handle or request (the cache's own reference aside).
         blocks_shared=sum(1 for b in range(pool.num_blocks) if pool.refcount(b) - (b in cached) > 1),
         blocks_cached=len(cached),
@@ -117,6 +67,7 @@ def _cache_stats(kv: KVManager, ste: Mapping[str, float]) -> CacheStats | None:
         hits_blocks=dict(counters.hits),
         nodes_on_device=cache.device_nodes,
         nodes_per_tier={t.name: cache.nodes_in_tier(i) for i, t in enumerate(cache.tiers)},
+        tier_capacity_blocks={t.name: t.capacity for t in cache.tiers},
         bytes_offloaded=cache.bytes_offloaded,
         bytes_prefetched=prefetched * bpb,
         bytes_loaded_on_demand=counters.loaded_on_demand * bpb,
@@ -127,45 +78,3 @@ def _cache_stats(kv: KVManager, ste: Mapping[str, float]) -> CacheStats | None:
         handles_spilled=kv.spiller.handles_spilled,
         steps_to_execution=dict(ste),
     )
-
-
-def cluster_stats(
-    workers: Sequence[WorkerClient], per: Mapping[int, Stats], held: Mapping[int, int], costs: CostModel,
-    bandwidth_cap: float | None, retries: int, handles_live: int,
-) -> Stats:
-    """The workers' stats (``per`` rank, of those that answered) as one, with ``Stats.cluster``."""
-    cal = costs.calibration
-    cluster = ClusterStats(
-        workers=[
-            WorkerStats(
-                rank=w.rank, device=w.device, alive=w.alive, pid=w.pid, host=w.host, queue=w.queue,
-                handles=held[w.rank], stats=per.get(w.rank),
-                prefill_tokens_per_s=(1 / cal.prefill_per_token_s[w.rank])
-                if cal and cal.prefill_per_token_s.get(w.rank) else None,
-            )
-            for w in workers
-        ],
-        bandwidth_bytes_per_s=cal.bandwidth_bytes_per_s if cal else None,
-        latency_s=cal.latency_s if cal else None,
-        bandwidth_cap_bytes_per_s=bandwidth_cap,
-        transfers=costs.transfers,
-        recomputes=costs.recomputes,
-        retries=retries,
-        decisions=list(costs.decisions),
-    )
-    first = next(iter(per.values()))
-    agents: dict[str, Any] = {}
-    for s in per.values():
-        for name, value in s.agents.items():
-            agents.setdefault(name, value)
-    return Stats(
-        model=first.model, device=",".join(w.device for w in workers), dtype=first.dtype,
-        block_size=first.block_size, bytes_per_block=first.bytes_per_block,
-        **{f: sum(getattr(s, f) for s in per.values()) for f in _SUMMED},
-        handles_live=handles_live, agents=agents, cluster=cluster,
-    )
-
-
-def _p90(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]

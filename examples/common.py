@@ -1,11 +1,14 @@
 """What every example measures and prints: per-agent TTFT, tokens reused vs prefilled, peak KV and
-total time, in kvbaton mode (KV handles, prefix cache, hints) and in the text-passing baseline.
+total time, in kvbaton mode (KV handles, prefix cache, hints) and in two text-passing baselines.
 
 :class:`MeteredClient` sits between the example's framework (LangGraph, AutoGen, plain SDK calls)
 and a real embedded client: it records each generation's engine timings and samples the pool after
-every call. In the baseline it releases each result's handle at once, because text passing keeps
-no KV between calls; the baseline engine also runs without the prefix cache, so every prompt is
-prefilled in full (the cost a plain OpenAI-style server pays without prefix caching).
+every call. In the baselines it releases each result's handle at once, because text passing keeps
+no KV between calls. The ``text`` baseline's engine runs without the prefix cache, so every prompt
+is prefilled in full (the cost a plain OpenAI-style server pays without prefix caching); the
+``cached`` baseline's engine has its prefix cache on, so a prompt that repeats an earlier one's
+start reuses it (what a text-passing app gets from a prefix-caching server: vLLM's, SGLang's, or
+kvbaton's own with no handles). Every printed speed-up names the baseline it is over.
 """
 
 from __future__ import annotations
@@ -28,16 +31,26 @@ from kvbaton.types import AgentInfo, Event, Events, Result, SamplingParams, Stat
 
 KVBATON = "kvbaton"
 TEXT = "text"
-MODE_LABELS = {KVBATON: "kvbaton (KV handles)", TEXT: "text passing (baseline)"}
+CACHED = "cached"
+MODE_LABELS = {KVBATON: "kvbaton (KV handles)", TEXT: "text passing, no prefix cache (baseline)",
+               CACHED: "text passing, prefix cache on (baseline)"}
+SHORT = {TEXT: "text", CACHED: "text+cache"}  # the baselines' column names
 MIB = 1024 * 1024
 
 
-def add_common_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
-    """``--baseline`` and ``--max-tokens``, the same in every example."""
+def add_common_arguments(parser: argparse.ArgumentParser, *, max_tokens: int, context_words: int | None = None,
+                         context: str = "the shared context") -> None:
+    """``--baseline``, ``--plot``, ``--max-tokens`` and ``--quiet``, the same in every example; with
+    ``context_words``, ``--context-words`` too (the size of ``context``, the document the agents share)."""
+    if context_words is not None:
+        parser.add_argument("--context-words", type=int, default=context_words,
+                            help=f"size of {context} in words (~1.3 tokens per word; default {context_words})")
     parser.add_argument(
-        "--baseline", choices=["none", "text", "both"], default=None,
-        help="none: kvbaton mode only (default); text: only the text-passing baseline (no KV handles, no "
-        "prefix reuse); both: the two side by side, with ratios (the default with --plot)",
+        "--baseline", choices=["none", "text", "cached", "both", "all"], default=None,
+        help="none: kvbaton mode only (default); text: only the text-passing baseline on an engine without "
+        "prefix cache (no KV handles, no prefix reuse); cached: only text passing on an engine with its prefix "
+        "cache on (what a prefix-caching server gives); both: kvbaton and text side by side, with ratios (the "
+        "default with --plot); all: kvbaton and both baselines",
     )
     parser.add_argument("--plot", metavar="PNG", default=None,
                         help="write the run's timeline (one lane per agent, kvbaton and the text baseline side "
@@ -50,15 +63,18 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) ->
 
 def run_example(
     name: str, doc: str | None, argv: list[str] | None, *, max_tokens: int,
-    arguments: Callable[[argparse.ArgumentParser], None], run_mode: Callable[[str, argparse.Namespace], Report],
+    run_mode: Callable[[str, argparse.Namespace], Report],
+    arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None,
     check: Callable[[argparse.Namespace], str | None] = lambda args: None,
+    context_words: int | None = None, context: str = "the shared context",
 ) -> dict[str, Any]:
-    """An example's ``main``: its own ``arguments`` plus the common ones, a ``check`` of them (an
-    error message, or None), ``run_mode`` for every mode ``--baseline`` asks for, then the reports."""
+    """An example's ``main``: its own ``arguments`` plus the common ones (``--context-words`` with
+    ``context_words``: :func:`add_common_arguments`), a ``check`` of them (an error message, or None),
+    ``run_mode`` for every mode ``--baseline`` asks for, then the reports."""
     parser = argparse.ArgumentParser(prog=f"kvbaton run {name}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     arguments(parser)
-    add_common_arguments(parser, max_tokens=max_tokens)
+    add_common_arguments(parser, max_tokens=max_tokens, context_words=context_words, context=context)
     args = parser.parse_args(argv)
     args.baseline = args.baseline or ("both" if args.plot else "none")
     problem = check(args)
@@ -76,12 +92,14 @@ def run_example(
 
 
 def modes_of(baseline: str) -> list[str]:
-    return {"none": [KVBATON], "text": [TEXT], "both": [KVBATON, TEXT]}[baseline]
+    return {"none": [KVBATON], "text": [TEXT], "cached": [CACHED], "both": [KVBATON, TEXT],
+            "all": [KVBATON, TEXT, CACHED]}[baseline]
 
 
 def connect(mode: str, **options: Any) -> MeteredClient:
-    """An embedded client for ``mode``: the text baseline gets an engine without prefix cache."""
-    inner = kvbaton.connect(prefix_cache=(mode == KVBATON), **options)
+    """An embedded client for ``mode``: the text baseline gets an engine without prefix cache, the
+    cached baseline one with it (both keep no handles: :class:`MeteredClient`)."""
+    inner = kvbaton.connect(prefix_cache=(mode != TEXT), **options)
     # One small unrecorded request first, so that neither mode's first agent pays the warm-up.
     warm = inner.complete("Warm-up: " + "kvbaton " * 60, max_tokens=2, ignore_eos=True)
     inner.release(warm.handle)
@@ -354,37 +372,53 @@ def print_report(report: Report) -> None:
 
 
 def comparison(reports: Mapping[str, Report]) -> str:
-    """kvbaton vs text side by side, with text/kvbaton ratios (> 1: kvbaton is better)."""
-    k, t = reports[KVBATON], reports[TEXT]
+    """kvbaton beside each baseline that ran, with baseline/kvbaton ratios (> 1: kvbaton is better)."""
+    k = reports[KVBATON]
+    bases = [m for m in (TEXT, CACHED) if m in reports]
 
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}x" if b else "-"
 
-    rows = [
-        ["total time s", k.total_s, t.total_s, ratio(t.total_s, k.total_s)],
-        ["mean TTFT ms", 1000 * k.mean_ttft_s, 1000 * t.mean_ttft_s, ratio(t.mean_ttft_s, k.mean_ttft_s)],
-        ["tokens prefilled", k.prefilled, t.prefilled, ratio(t.prefilled, k.prefilled)],
-        ["tokens reused", k.reused, t.reused, "-"],
-        ["peak KV MiB", k.peak_kv_bytes / MIB, t.peak_kv_bytes / MIB, ratio(t.peak_kv_bytes, k.peak_kv_bytes)],
+    metrics: list[tuple[str, Callable[[Report], float], bool]] = [
+        ("total time s", lambda r: r.total_s, True),
+        ("mean TTFT ms", lambda r: 1000 * r.mean_ttft_s, True),
+        ("tokens prefilled", lambda r: r.prefilled, True),
+        ("tokens reused", lambda r: r.reused, False),
+        ("peak KV MiB", lambda r: r.peak_kv_bytes / MIB, True),
     ]
-    return format_table(["metric", "kvbaton", "text", "text / kvbaton"], rows)
+    rows = []
+    for label, value, has_ratio in metrics:
+        row: list[Any] = [label, value(k)]
+        for b in bases:
+            row += [value(reports[b]), ratio(value(reports[b]), value(k)) if has_ratio else "-"]
+        rows.append(row)
+    columns = ["metric", "kvbaton", *(x for b in bases for x in (SHORT[b], f"{SHORT[b]} / kvbaton"))]
+    return format_table(columns, rows)
 
 
 def finish(name: str, reports: Mapping[str, Report]) -> dict[str, Any]:
-    """Print every mode's report (and the comparison when both ran); return them as plain data."""
+    """Print every mode's report (and the comparison when kvbaton and a baseline ran); return them as plain data."""
     for report in reports.values():
         print_report(report)
     out: dict[str, Any] = {"example": name, "modes": {m: r.to_dict() for m, r in reports.items()}}
-    if KVBATON in reports and TEXT in reports:
-        print(f"\n== {name}: kvbaton vs text passing ==")
+    bases = [m for m in (TEXT, CACHED) if m in reports]
+    if KVBATON in reports and bases:
+        print(f"\n== {name}: kvbaton vs " + " and vs ".join(MODE_LABELS[b].removesuffix(" (baseline)")
+                                                           for b in bases) + " ==")
         print(comparison(reports))
-        k, t = reports[KVBATON], reports[TEXT]
-        same = k.outputs == t.outputs
-        print(f"same outputs in both modes (greedy decoding): {'yes' if same else 'NO'}")
+        if CACHED not in reports:
+            print("(the text baseline runs without a prefix cache; --baseline all adds text passing with the "
+                  "prefix cache on, the baseline of a prefix-caching server)")
+        k = reports[KVBATON]
+        same = all(reports[b].outputs == k.outputs for b in bases)
+        print(f"same outputs in every mode (greedy decoding): {'yes' if same else 'NO'}")
         out["same_outputs"] = same
-        out["ratios"] = {
-            "total_time_text_over_kvbaton": t.total_s / k.total_s if k.total_s else None,
-            "mean_ttft_text_over_kvbaton": t.mean_ttft_s / k.mean_ttft_s if k.mean_ttft_s else None,
-            "prefilled_text_over_kvbaton": t.prefilled / k.prefilled if k.prefilled else None,
-        }
+        out["ratios"] = {}
+        for b in bases:
+            t = reports[b]
+            out["ratios"] |= {
+                f"total_time_{b}_over_kvbaton": t.total_s / k.total_s if k.total_s else None,
+                f"mean_ttft_{b}_over_kvbaton": t.mean_ttft_s / k.mean_ttft_s if k.mean_ttft_s else None,
+                f"prefilled_{b}_over_kvbaton": t.prefilled / k.prefilled if k.prefilled else None,
+            }
     return out

@@ -101,12 +101,11 @@ def run_mode(mode: str, args: argparse.Namespace) -> Any:
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="debate rounds (default 3)")
-    parser.add_argument("--context-words", type=int, default=1000,
-                        help="size of the shared notes in words (~1.3 tokens per word; default ~1.5K tokens)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return run_example("debate", __doc__, argv, max_tokens=16, arguments=_arguments, run_mode=run_mode)
+    return run_example("debate", __doc__, argv, max_tokens=16, arguments=_arguments, run_mode=run_mode,
+                       context_words=1000, context="the shared notes")
 
 
 if __name__ == "__main__":

@@ -35,8 +35,7 @@ from autogen_agentchat.teams import DiGraphBuilder, GraphFlow
 from autogen_core import CancellationToken
 from autogen_core.model_context import UnboundedChatCompletionContext
 from autogen_core.models import LLMMessage, SystemMessage, UserMessage
-from kvbaton.adapters.autogen import KvbatonChatCompletionClient, instrument
-from kvbaton.adapters.autogen_client import render_messages
+from kvbaton.adapters.autogen import KvbatonChatCompletionClient, instrument, render_messages
 from kvbaton.examples.common import KVBATON, MeteredClient, Report, connect, run_example, say
 
 QUESTION = ("We live in a small house with rooftop solar and want backup for the fridge and the router during "

@@ -90,8 +90,6 @@ def run_mode(mode: str, args: argparse.Namespace) -> Report:
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=3, help="branches per expansion (default 3)")
     parser.add_argument("--depth", type=int, default=2, help="expansions (default 2)")
-    parser.add_argument("--context-words", type=int, default=600,
-                        help="size of the root context in words (~1.3 tokens per word; default ~800 tokens)")
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -99,7 +97,8 @@ def _check(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return run_example("tree_of_thought", __doc__, argv, max_tokens=20, arguments=_arguments, run_mode=run_mode, check=_check)
+    return run_example("tree_of_thought", __doc__, argv, max_tokens=20, arguments=_arguments, run_mode=run_mode,
+                       check=_check, context_words=600, context="the root context")
 
 
 if __name__ == "__main__":

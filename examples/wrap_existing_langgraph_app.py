@@ -181,13 +181,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> Report:
     return report
 
 
-def _arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--context-words", type=int, default=800,
-                        help="size of the shared briefing in words (~1.3 tokens per word; default ~1K tokens)")
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return run_example("wrap_existing_langgraph_app", __doc__, argv, max_tokens=24, arguments=_arguments, run_mode=run_mode)
+    return run_example("wrap_existing_langgraph_app", __doc__, argv, max_tokens=24, run_mode=run_mode,
+                       context_words=800, context="the shared briefing")
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 from kvbaton import SamplingParams
-from kvbaton.backend.block_pool import BlockPool, PoolShape
+from kvbaton.backend.cache.block_pool import BlockPool, PoolShape
 from kvbaton.backend.cluster import Cluster
-from kvbaton.backend.loader import convert_default_model, load_model
+from kvbaton.backend.compute.loader import convert_default_model, load_model
 from kvbaton.bench.common import format_table, machine_info, write_results
 from kvbaton.bench.corpus import QUESTIONS, document
 

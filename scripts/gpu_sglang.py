@@ -16,23 +16,16 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import kvbaton
+from kvbaton.bench.processes import free_port, wait_healthy
 
 SGLANG_VERSION = "0.5.23"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def random_llama(out: Path, context: int, *, hidden: int = 2048, layers: int = 16, heads: int = 16,
@@ -68,7 +61,7 @@ def random_llama(out: Path, context: int, *, hidden: int = 2048, layers: int = 1
 def default_model() -> Path | None:
     """The default model's safetensors checkpoint, if this machine has converted it."""
     try:
-        from kvbaton.backend.loader import cache_dir
+        from kvbaton.backend.dirs import cache_dir
     except ImportError:
         return None
     found = sorted((cache_dir() / "models").glob("SmolLM2-135M-Instruct-*/model.safetensors"))
@@ -93,18 +86,11 @@ class Server:
                                          cwd=log.parent.resolve())
 
     def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited ({self.proc.returncode}); log:\n{self.log.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise SystemExit(f"server not healthy after {timeout:.0f}s; log:\n{self.log.read_text()[-4000:]}")
+        try:
+            wait_healthy(self.url, self.proc, timeout, stop=self.stop, interval=1,
+                         output=lambda: self.log.read_text()[-4000:])
+        except RuntimeError as exc:
+            raise SystemExit(str(exc)) from exc
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -13,6 +13,9 @@
 # elsewhere point PIP_EXTRA_INDEX_URL at a PyTorch CPU wheel index). The install fails rather than
 # pulling CUDA wheels: it checks that no nvidia-* package landed and that torch has no CUDA.
 #
+# The benchmark starts vLLM's server with the Intel OpenMP library its venv ships preloaded (LD_PRELOAD of
+# lib/libiomp5.so), as vLLM's CPU docs advise; the record's peer env shows it.
+#
 # Usage: bash scripts/peer_vllm.sh [--setup-only] [more `kvbaton.bench agents` options...]
 #   e.g. bash scripts/peer_vllm.sh                       # the published comparison (default repeats and passes)
 #        bash scripts/peer_vllm.sh --repeats 3 --variants exact auto

@@ -9,7 +9,7 @@ Development tool, not a published benchmark. It
    (512-token chunks, as while other requests are active), ``hf`` (transformers' ``model(ids)`` with
    SDPA, logits of the last token only), and with ``--unfused`` the same engine with kvbaton's fused
    prefill switched off (``engine-unfused``: the model's own modules and PyTorch's attention,
-   ``kvbaton.backend.prefill.disabled``). An engine prefill is ``flush_cache()``, ``materialize``,
+   ``kvbaton.backend.compute.cpu.prefill.disabled``). An engine prefill is ``flush_cache()``, ``materialize``,
    ``release``: the time to the prompt's handle, i.e. TTFT without the sampling;
 3. with ``--breakdown``, splits one engine prefill (the default chunking, run on this thread) into
    linear layers, attention, pool writes, RoPE, norms, MLP activation, the attention module's and the
@@ -95,7 +95,7 @@ class Others:
 @contextlib.contextmanager
 def timers(model: Any, pool: Any, clock: Callable[[], float] = time.perf_counter) -> Iterator[dict[str, float]]:
     """Exclusive time per category while the block runs (hooks on the engine's model)."""
-    import kvbaton.backend.attention as attention_module
+    import kvbaton.backend.compute.attention as attention_module
     from transformers import AttentionInterface
 
     totals: dict[str, float] = defaultdict(float)
@@ -142,8 +142,8 @@ def timers(model: Any, pool: Any, clock: Callable[[], float] = time.perf_counter
     AttentionInterface.register(name, wrap(original_attention, "attention (SDPA / flash, merge)"))
     original_write = type(pool).write
     type(pool).write = wrap(original_write, "pool writes")
-    # kvbaton's fused prefill (backend/prefill.py) bypasses the nn.Linear modules and HF's RoPE.
-    from kvbaton.backend import kernels, prefill
+    # kvbaton's fused prefill (backend/compute/cpu/prefill.py) bypasses the nn.Linear modules and HF's RoPE.
+    from kvbaton.backend.compute.cpu import kernels, prefill
 
     original_linear = prefill._Linear.__call__
     prefill._Linear.__call__ = wrap(original_linear, "linear")
@@ -174,8 +174,8 @@ def timers(model: Any, pool: Any, clock: Callable[[], float] = time.perf_counter
 
 
 def run_chunks(engine: Any, tokens: list[int], chunk: int) -> torch.Tensor:
-    """One prefill through the engine's ModelRunner on this thread, in chunks of ``chunk`` tokens."""
-    from kvbaton.backend.model_runner import Chunk
+    """One prefill through the engine's runner on this thread, in chunks of ``chunk`` tokens."""
+    from kvbaton.backend.compute.runner import Chunk
 
     pool = engine.pool
     blocks = pool.allocate(math.ceil(len(tokens) / pool.block_size))
@@ -229,7 +229,7 @@ def main() -> None:
         engines["engine-512"] = Engine(dtype=args.dtype, kv_budget="512MiB", max_batch_tokens=512)
     hf = load_model(dtype=args.dtype, attn_implementation="sdpa").model if "hf" in variants or args.check else None
     ids = torch.tensor([tokens])
-    from kvbaton.backend import prefill
+    from kvbaton.backend.compute.cpu import prefill
 
     def run(variant: str) -> float:
         with Others() as others:

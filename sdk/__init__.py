@@ -1,7 +1,8 @@
 """kvbaton: pass KV-cache handles instead of text between LLM agents."""
 
 from .capabilities import Capabilities
-from .client import AsyncClient, Client, aconnect, connect
+from .client import AsyncClient, Client
+from .connect import aconnect, connect
 from .errors import (
     ContextTooLong,
     HandleNotFound,

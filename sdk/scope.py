@@ -24,20 +24,22 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Generator, Iterable
 from contextvars import ContextVar, Token
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from .errors import HandleNotFound, HandleReleased
 from .handle import Handle
+from .ops import AsyncKVOps, is_async
 from .stream import AsyncTokenStream, TokenStream
-from .types import Composition, Result
+from .threaded import threaded
+from .types import Composition, Result, StreamChunk
 
 log = logging.getLogger("kvbaton.scope")
+T = TypeVar("T")
 
 GONE = (HandleNotFound, HandleReleased)
 """Errors of releasing a handle that is already gone: nothing left to free."""
@@ -93,9 +95,10 @@ def active() -> tuple[Scope, ...]:
     return _ACTIVE.get()
 
 
-def record(client: Any, out: Any, *inputs: Any) -> Any:
+def record(client: Any, out: T, *inputs: Any, via: Any = None) -> T:
     """Record the handles of ``out`` (created by ``client``) in the active scopes that cover
-    ``client``; returns ``out``. Ids of ``inputs`` (the call's own handles) are not recorded."""
+    ``client``, to be released through ``via`` (default: ``client``); returns ``out``. Ids of
+    ``inputs`` (the call's own handles) are not recorded."""
     scopes = _ACTIVE.get()
     if scopes:
         ids = handle_ids(out)
@@ -104,7 +107,7 @@ def record(client: Any, out: Any, *inputs: Any) -> Any:
             ids = [i for i in ids if i not in given]
         for scope in scopes:
             if scope.covers(client):
-                scope.add(ids, via=client)
+                scope.add(ids, via=client if via is None else via)
     return out
 
 
@@ -118,31 +121,32 @@ def released(handles: Any) -> None:
         scope.forget(ids)
 
 
-def record_stream(client: Any, stream: TokenStream, *inputs: Any) -> TokenStream:
+def record_stream(client: Any, stream: TokenStream, *inputs: Any, via: Any = None) -> TokenStream:
     """``stream`` whose result handle is recorded, when it arrives, in the scopes active now."""
     scopes = _ACTIVE.get()
     if not scopes:
         return stream
 
-    def chunks() -> Any:
-        result = yield from stream
-        _record_in(scopes, client, result, inputs)
+    def chunks() -> Generator[StreamChunk, None, Result]:
+        result: Result = yield from stream
+        _record_in(scopes, client, result, inputs, via)
         return result
 
     return TokenStream(chunks())
 
 
-def arecord_stream(client: Any, stream: AsyncTokenStream, *inputs: Any) -> AsyncTokenStream:
+def arecord_stream(client: Any, stream: AsyncTokenStream, *inputs: Any, via: Any = None) -> AsyncTokenStream:
     """:func:`record_stream` for an :class:`~kvbaton.AsyncTokenStream`."""
     scopes = _ACTIVE.get()
     if not scopes:
         return stream
 
-    async def items() -> Any:
+    async def items() -> AsyncGenerator[StreamChunk | Result, None]:
         try:
             async for chunk in stream:
                 yield chunk
-            _record_in(scopes, client, stream.result, inputs)
+            assert stream.result is not None
+            _record_in(scopes, client, stream.result, inputs, via)
             yield stream.result
         finally:
             await stream.aclose()
@@ -150,10 +154,10 @@ def arecord_stream(client: Any, stream: AsyncTokenStream, *inputs: Any) -> Async
     return AsyncTokenStream(items())
 
 
-def _record_in(scopes: tuple[Scope, ...], client: Any, out: Any, inputs: tuple[Any, ...]) -> None:
+def _record_in(scopes: tuple[Scope, ...], client: Any, out: Any, inputs: tuple[Any, ...], via: Any) -> None:
     token = _ACTIVE.set(scopes)
     try:
-        record(client, out, *inputs)
+        record(client, out, *inputs, via=via)
     finally:
         _ACTIVE.reset(token)
 
@@ -161,52 +165,46 @@ def _record_in(scopes: tuple[Scope, ...], client: Any, out: Any, inputs: tuple[A
 # -- releasing --------------------------------------------------------------------------------------
 
 
-def _sync_target(client: Any) -> Any:
-    """The client to release through from synchronous code: ``client``, or the sync client an
-    async one wraps; None when there is none (an async-only client)."""
-    if not asyncio.iscoroutinefunction(getattr(client, "release", None)):
-        return client
-    inner = getattr(client, "client", None)
-    return inner if inner is not None and not asyncio.iscoroutinefunction(getattr(inner, "release", None)) else None
-
-
 def release_quietly(client: Any, ids: list[str]) -> tuple[int, int]:
-    """Release ``ids`` through ``client``, skipping those already gone; ``(released, gone)``.
+    """Release ``ids`` through a blocking ``client``, skipping those already gone; ``(released, gone)``.
     Other errors (the server is down, say) are raised."""
-    if not ids:
-        return 0, 0
     try:
-        client.release(ids)  # all or nothing: one call when none is gone
+        if ids:
+            client.release(ids)  # all or nothing: one call when none is gone
         return len(ids), 0
     except GONE:
-        pass
-    gone = 0
-    for handle_id in ids:
-        try:
-            client.release(handle_id)
-        except GONE:
-            gone += 1
+        gone = sum(not _released_one(client, handle_id) for handle_id in ids)
     return len(ids) - gone, gone
+
+
+def _released_one(client: Any, handle_id: str) -> bool:
+    try:
+        client.release(handle_id)
+        return True
+    except GONE:
+        return False
 
 
 async def arelease_quietly(client: Any, ids: list[str]) -> tuple[int, int]:
-    """:func:`release_quietly` through an async client, or a sync one in a worker thread."""
+    """:func:`release_quietly` through any client: an asynchronous one awaited, a blocking one in
+    worker threads (:func:`~kvbaton.threaded.threaded`)."""
+    ops = client if is_async(client) else threaded(client)
     if not ids:
         return 0, 0
-    if not asyncio.iscoroutinefunction(getattr(client, "release", None)):
-        return await asyncio.to_thread(release_quietly, client, ids)
     try:
-        await client.release(ids)
+        await ops.release(ids)
         return len(ids), 0
     except GONE:
-        pass
-    gone = 0
-    for handle_id in ids:
-        try:
-            await client.release(handle_id)
-        except GONE:
-            gone += 1
-    return len(ids) - gone, gone
+        outcomes = [await _areleased_one(ops, handle_id) for handle_id in ids]
+    return outcomes.count(True), outcomes.count(False)
+
+
+async def _areleased_one(ops: AsyncKVOps, handle_id: str) -> bool:
+    try:
+        await ops.release(handle_id)
+        return True
+    except GONE:
+        return False
 
 
 # -- the scope --------------------------------------------------------------------------------------
@@ -299,11 +297,10 @@ class Scope:
         Handles of an async-only client cannot be released from here: they stay owned (logged)."""
         counts, stuck = [], []
         for via, ids in self._drain(keep).values():
-            target = _sync_target(via)
-            if target is None:
+            if is_async(via):  # an asynchronous client without a blocking one (the client records through that)
                 stuck.append((via, ids))
                 continue
-            counts.append(release_quietly(target, ids))
+            counts.append(release_quietly(via, ids))
         for via, ids in stuck:
             log.warning("kvbaton %s: %d handles of an async client left for aclose()", self.name, len(ids))
             self.adopt((i, via) for i in ids)

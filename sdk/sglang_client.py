@@ -7,8 +7,7 @@ docs/sglang.md). Needs sglang==0.5.23 in this Python (docs/sglang.md: installing
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
+from typing import Any, ClassVar
 
 from .embedded import AsyncEmbeddedClient, EmbeddedClient
 
@@ -34,9 +33,7 @@ class SglangClient(EmbeddedClient):
 class AsyncSglangClient(AsyncEmbeddedClient):
     """:class:`SglangClient` with coroutines (``await kvbaton.aconnect(engine="sglang", model=...)``)."""
 
+    sync_client: ClassVar[type[EmbeddedClient]] = SglangClient
+
     def __init__(self, model: str | None = None, *, client: SglangClient | None = None, **options: Any) -> None:
         super().__init__(client=client if client is not None else SglangClient(model, **options))
-
-    @classmethod
-    async def start(cls, model: str | None = None, **options: Any) -> AsyncSglangClient:
-        return cls(client=await asyncio.to_thread(SglangClient, model, **options))

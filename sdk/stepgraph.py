@@ -18,6 +18,8 @@ See docs/stepgraph.md.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Iterable
 from typing import Literal
@@ -153,6 +155,12 @@ class StepGraph:
                 found[frozenset((src,))] = None
         return tuple(found)
 
+    def successors(self, agent: str) -> tuple[str, ...]:
+        """The agents with an edge or a join out of ``agent`` (router targets not included): those its
+        completion enables without a choice."""
+        self._check_known([agent])
+        return tuple(dst for dst, triggers in self._triggers.items() if any(agent in t for t in triggers))
+
     # -- steps to execution ---------------------------------------------------------------------
 
     def steps_to_execution(self, running: Iterable[str] = (), finished: Iterable[str] = ()) -> dict[str, Ste]:
@@ -169,28 +177,36 @@ class StepGraph:
         self._check_known(run | done)
         if not run and not done:
             run = set(self._entries)
-        triggers = {agent: self.triggers(agent) for agent in self._agents}
-
-        # Relax from "everything infinite" down to the greatest fixpoint. Every finite value then
-        # has a well-founded derivation from running or finished agents (each hop adds 1), so a
-        # cycle that nothing running or finished can reach stays infinite instead of justifying
-        # itself. Values only decrease, and after round k every agent whose true STE is <= k has
-        # it; true finite STEs are <= len(agents), so len(agents) + 2 rounds always suffice.
-        ste: dict[str, Ste] = {agent: 0 if agent in run else math.inf for agent in self._agents}
-        for _ in range(len(self._agents) + 2):
-            changed = False
-            for agent in self._agents:
-                if agent in run:
+        # Knuth's generalisation of Dijkstra's algorithm: a trigger's value (1 + the max of its predecessors'
+        # STEs) is never below any of them, so agents settle in increasing STE order, each once, and a trigger
+        # is ready when its last unfinished predecessor settles (then its largest). O(size log size), where a
+        # fixpoint iteration takes a round per hop (quadratic on a deep chain). An agent that never settles has
+        # no derivation from running or finished agents (a cycle nothing reaches): it stays infinite.
+        ste: dict[str, Ste] = {agent: math.inf for agent in self._agents}
+        order = itertools.count()
+        heap: list[tuple[Ste, int, str]] = [(0, next(order), agent) for agent in self._agents if agent in run]
+        unsettled: list[int] = []  # per trigger: its unfinished predecessors not settled yet
+        waiting: dict[str, list[tuple[int, str]]] = {agent: [] for agent in self._agents}  # agent -> (trigger, dst)
+        for agent in self._agents:
+            if agent in run:
+                continue
+            for trigger in self.triggers(agent):
+                pending = [p for p in trigger if p not in done]
+                if not pending:  # every predecessor finished: ready in one step
+                    heapq.heappush(heap, (1, next(order), agent))
                     continue
-                best = ste[agent]
-                for trigger in triggers[agent]:
-                    wait = max((ste[p] for p in trigger if p not in done), default=0)
-                    best = min(best, wait + 1)
-                if best < ste[agent]:
-                    ste[agent] = best
-                    changed = True
-            if not changed:
-                break
+                for p in pending:
+                    waiting[p].append((len(unsettled), agent))
+                unsettled.append(len(pending))
+        while heap:
+            value, _, agent = heapq.heappop(heap)
+            if ste[agent] <= value:
+                continue  # settled already, at most this
+            ste[agent] = value
+            for trigger, dst in waiting[agent]:
+                unsettled[trigger] -= 1
+                if unsettled[trigger] == 0 and ste[dst] == math.inf:
+                    heapq.heappush(heap, (value + 1, next(order), dst))
         return ste
 
     # -- serialization --------------------------------------------------------------------------
@@ -230,7 +246,7 @@ class StepGraph:
         )
 
     def _check_known(self, names: Iterable[str]) -> None:
-        unknown = sorted(set(names) - self._agents.keys())
+        unknown = sorted({name for name in names if name not in self._agents})  # O(names), not O(agents)
         if unknown:
             raise InvalidRequest(f"unknown agents: {unknown}")
 

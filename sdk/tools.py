@@ -4,8 +4,10 @@ no tool support, how earlier calls and results are written back, and how calls a
 The convention is Hermes style: the tools as JSON lines in a ``<tools>`` block of the system
 prompt, a call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a tool's result as
 ``<tool_response>...</tool_response>``. The engine renders chat requests with tools through it when
-the model's template ignores ``tools`` (SmolLM2's does), the framework adapters use it for their
-own prompts, and the OpenAI route parses answers with it. :func:`tool_call_format` turns a
+the chat template ignores ``tools`` (SmolLM2's does), the framework adapters use it for their own
+prompts, and the OpenAI route parses answers with it — and with the formats of the models whose
+templates render tools themselves (:func:`parse_tool_calls`: Llama 3's JSON calls, Mistral's
+``[TOOL_CALLS]``). :func:`tool_call_format` turns a
 ``tool_choice`` that requires a call into a :class:`~kvbaton.ResponseFormat`, so that constrained
 decoding makes even a small model emit a valid call.
 """
@@ -28,6 +30,11 @@ TOOL_PROMPT = (
 )
 """The tool block appended to the system prompt (Hermes style); ``{tools}``: one JSON line per tool."""
 
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+CALL_MARKERS = ("[TOOL_CALLS]", "<|python_tag|>")
+"""What Mistral's and Llama 3's models write before JSON calls (gone when the tokenizer's special
+tokens are skipped, as they are in answers; read when they are text)."""
+
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -43,7 +50,8 @@ class ToolCall:
 def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     fn = tool.get("function", tool)
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-        raise InvalidRequest("each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': ...}}")
+        raise InvalidRequest("each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': ...}}",
+                             param="tools")
     return fn
 
 
@@ -136,25 +144,47 @@ def _tool_call(item: Any, names: set[str]) -> ToolCall | None:
     return ToolCall(item["name"], args if isinstance(args, dict) else {})
 
 
+def leading_calls(text: str) -> tuple[list[Any], str] | None:
+    """The JSON values ``text`` starts with, after a call marker (:data:`CALL_MARKERS`), several
+    separated by ``;`` as Llama 3 writes them, lists flattened; and the text after them. None when
+    it starts with none."""
+    rest = text.strip()
+    for marker in CALL_MARKERS:
+        rest = rest.removeprefix(marker).lstrip()
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while at < len(rest):
+        try:
+            value, at = decoder.raw_decode(rest, at)
+        except ValueError:
+            break
+        values += value if isinstance(value, list) else [value]
+        after = len(rest) - len(rest[at:].lstrip())
+        if rest[after:after + 1] != ";":
+            break
+        at = len(rest) - len(rest[after + 1:].lstrip())
+    return (values, rest[at:].strip()) if values else None
+
+
 def parse_tool_calls(
     text: str, tool_names: Sequence[str], forced: str | None = None
 ) -> tuple[str, list[ToolCall]]:
     """Tool calls in model output: every ``<tool_call>{json}</tool_call>`` block (an unterminated last
-    block too), or, when there is none, a reply that is entirely a JSON object (or a list of them).
-    Only objects naming one of ``tool_names`` count; ``arguments`` (or ``parameters``) may be an
-    object or a JSON string. With ``forced`` (a single tool the caller requires), a bare JSON object
-    that is no call is taken as that tool's arguments.
+    block too), or, when there is none, the JSON a reply starts with (:func:`leading_calls`: an
+    object, a list of them, Llama 3's ``;``-separated objects, after Mistral's ``[TOOL_CALLS]`` or
+    Llama 3's ``<|python_tag|>``). Only objects naming one of ``tool_names`` count; ``arguments``
+    (or ``parameters``) may be an object or a JSON string. With ``forced`` (a single tool the caller
+    requires), a reply that is one bare JSON object that is no call is taken as that tool's arguments.
 
     Returns the text outside the calls and the calls; without calls, ``(text, [])``."""
     names = set(tool_names)
     if not names:
         return text, []
     whole = None
-    if "<tool_call>" in text:
+    if TOOL_CALL_OPEN in text:
         found, rest = [_json(body) for body in _TOOL_CALL.findall(text)], _TOOL_CALL.sub("", text).strip()
     else:
-        whole = _json(text.strip())
-        found, rest = (whole if isinstance(whole, list) else [whole]), ""
+        values, rest = leading_calls(text) or ([], "")
+        found, whole = values, values[0] if len(values) == 1 and not rest else None
     calls = [c for item in found if (c := _tool_call(item, names)) is not None]
     if calls:
         return rest, calls
@@ -170,7 +200,7 @@ def required_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any) 
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
     if not tools:
-        raise InvalidRequest("tool_choice requires tools")
+        raise InvalidRequest("Invalid value for 'tool_choice': it requires tools.", param="tool_choice")
     if tool_choice == "required":
         return list(tools)
     name = None
@@ -178,11 +208,12 @@ def required_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any) 
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else None
     if not isinstance(name, str):
-        raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
-                             "{'type': 'function', 'function': {'name': ...}}")
+        raise InvalidRequest("Invalid value for 'tool_choice': it must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': ...}}.", param="tool_choice")
     chosen = [t for t in tools if _function(t)["name"] == name]
     if not chosen:
-        raise InvalidRequest(f"tool_choice names {name!r}, which is not one of the tools")
+        raise InvalidRequest(f"Invalid value for 'tool_choice': it names {name!r}, which is not one of the tools.",
+                             param="tool_choice")
     return chosen
 
 

@@ -14,18 +14,22 @@ from .handle import Handle
 
 MAX_STOP_STRINGS = 16
 
-Reuse = Literal["exact", "auto", "rotate"]
+Reuse = Literal["exact", "auto", "rotate", "correct"]
 """How a request may reuse K/V that another context computed (docs/segments.md, "Automatic reuse"):
 
-- ``"exact"``: only what is token-identical to dense prefill: the longest common prefix with the
-  request's handle or the prefix cache. Greedy output is identical to dense prefill.
+- ``"exact"``: only K/V this engine computed densely for the same tokens: the longest common prefix
+  with the request's handle (its exact part: an approximate handle's rest is recomputed) or the prefix
+  cache. In float32, greedy output is token-identical to dense prefill.
 - ``"auto"``: also known spans of other agents' prompts behind a different prefix (a shared document
   behind another system prompt): re-aligned to the new positions, their most-deviating tokens
   recomputed (selective recomputation), and recomputed densely when the answer looks unsure. The
   result is marked approximate.
 - ``"rotate"``: re-align such spans without any correction (fastest, least faithful; marked).
+- ``"correct"``: re-align such spans and add the context deviation estimated from an anchor pool
+  (KVCMAS's chained low-rank correction); spans without enough anchors are recomputed densely and
+  become anchors; gated like ``"auto"`` (marked).
 """
-REUSE_POLICIES: tuple[str, ...] = ("exact", "auto", "rotate")
+REUSE_POLICIES: tuple[str, ...] = ("exact", "auto", "rotate", "correct")
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -128,7 +132,13 @@ class Timings(BaseModel):
     tokens_approximate: int = Field(
         default=0,
         description="Of ``tokens_reused``, the prompt tokens whose K/V were re-aligned (and corrected) from another "
-        "context rather than token-identical to dense prefill (``reuse='auto'`` or ``'rotate'``).",
+        "context rather than token-identical to dense prefill (``reuse='auto'``, ``'rotate'`` or ``'correct'``).",
+    )
+    tokens_discarded: int = Field(
+        default=0,
+        description="Work the confidence gate threw away: prompt tokens run through the model for an approximation "
+        "it then rejected (recomputing the prompt densely instead), a pass over the first layers only counted as "
+        "its share of the layers. 0 unless the gate rejected.",
     )
 
 
@@ -139,8 +149,11 @@ class TopLogprob(BaseModel):
     """One candidate token at a step, with its log probability under the model."""
 
     token_id: int
-    token: str = Field(description="The token's text (a piece of a character may decode as U+FFFD).")
+    token: str = Field(description="The token's text; a token that is part of a character (a byte-level BPE "
+                       "fragment) is written as OpenAI writes it, ``bytes:`` and its bytes escaped (``bytes:\\xe4\\xbd``).")
     logprob: float
+    bytes: list[int] = Field(default_factory=list, description="The token's own bytes: its UTF-8 text, or the part "
+                             "of a character it is.")
 
 
 class TokenLogprob(TopLogprob):
@@ -160,8 +173,18 @@ class Result(BaseModel):
     timings: Timings
     exact: bool = Field(
         default=True,
-        description="True when every prompt token's K/V equals dense prefill's (greedy output is then identical to "
-        "dense prefill); False when the request reused approximate K/V (``reuse='auto'`` / ``'rotate'``).",
+        description="True when no prompt token's K/V was approximated: all are this engine's own dense prefill of "
+        "the same tokens (reused from a handle or the prefix cache, or computed now); False when the request reused "
+        "approximate K/V (``reuse='auto'`` / ``'rotate'`` / ``'correct'``). What exact promises about the output: "
+        "``token_identical``.",
+    )
+    token_identical: bool = Field(
+        default=True,
+        description="True when greedy output is guaranteed token-identical to a dense prefill of the same prompt: "
+        "an exact result of a float32 engine (tested). False for approximate results, and for every result in "
+        "bfloat16 / float16: there an exact result's K/V are still this engine's own dense prefill, but a "
+        "prefix-cache hit splits the prompt's computation differently from a fresh prefill and rounds "
+        "differently, so greedy output agrees with a fresh dense prefill only most of the time (README.md).",
     )
     segments: list[SegmentReport] = Field(
         default_factory=list,
@@ -178,6 +201,11 @@ class StreamChunk(BaseModel):
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = Field(default=None, description="Of ``token_ids``, with ``logprobs=True``.")
+    exact: bool | None = Field(
+        default=None,
+        description="On a stream's first chunk: whether the prompt's K/V are exact (as ``Result.exact``, known once "
+        "the prompt is computed, before the first token); None on the others.",
+    )
 
 
 class AgentInfo(BaseModel):
@@ -204,6 +232,9 @@ class CacheStats(BaseModel):
     hits_blocks: dict[str, int] = Field(description="Reused blocks by where they were found: device or a tier.")
     nodes_on_device: int
     nodes_per_tier: dict[str, int]
+    tier_capacity_blocks: dict[str, int] = Field(
+        default_factory=dict, description="How many blocks each slow tier holds at most (its size / bytes per block)."
+    )
     bytes_offloaded: int
     bytes_prefetched: int
     bytes_loaded_on_demand: int
@@ -308,7 +339,11 @@ class Stats(BaseModel):
     tokens_prefilled: int
     tokens_generated: int
     tokens_approximate: int = Field(
-        default=0, description="Of tokens_reused, those re-aligned from another context (reuse='auto'/'rotate')."
+        default=0,
+        description="Of tokens_reused, those re-aligned from another context (reuse='auto'/'rotate'/'correct').",
+    )
+    tokens_discarded: int = Field(
+        default=0, description="Work the confidence gate threw away, summed over requests (Timings.tokens_discarded)."
     )
     cache: CacheStats | None = None
     audit: AuditStats | None = Field(

@@ -12,8 +12,15 @@ Tiers (``make test-unit``, ``test-model``, ``test-server``; ``make test`` runs a
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton's interpreter runs the CUDA runner's kernels on CPU tensors (tests/test_cuda_kernels.py). It must be
+    # chosen before Triton is first imported, which importing kvbaton's backend may do (where Triton is installed).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from kvbaton.backend import Engine, load_model
 from kvbaton.bench.corpus import document
 

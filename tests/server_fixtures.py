@@ -9,26 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import pytest
+from kvbaton.bench.processes import dies_with_parent, free_port, stop_process, wait_healthy
 
 TOKEN_A = "tenant-a-token"
 TOKEN_B = "tenant-b-token"
 STARTUP_TIMEOUT_S = 180.0  # the very first model conversion on a fresh machine takes ~35 s
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerProcess:
@@ -53,7 +46,8 @@ class ServerProcess:
         env.pop("KVBATON_TOKEN", None)
         env.pop("KVBATON_API_KEY", None)
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
+            # Dies with this test process: a killed test worker leaves no server behind.
+            self.proc = subprocess.Popen(dies_with_parent(self.command()), stdout=log, stderr=subprocess.STDOUT, env=env)
         if wait:
             self.wait_healthy()
         return self
@@ -61,27 +55,11 @@ class ServerProcess:
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         assert self.proc is not None
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", headers=headers, timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {timeout} s:\n{self.output()}")
+        wait_healthy(self.url, self.proc, timeout, stop=self.stop, headers=headers, interval=0.2, output=self.output)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc, 10)
 
     def kill(self) -> None:
         """SIGKILL: no graceful shutdown, connections drop."""

@@ -31,6 +31,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph, add_messages
 from langgraph.types import Command, Send
+from langgraph_apps import chain
 from pydantic import BaseModel
 
 INF = math.inf
@@ -122,6 +123,79 @@ def test_extract_conditional_entry_and_undeclared_successors() -> None:
     assert ex.step_graph.routers == {"loose": None}
     # the builder itself works too
     assert set(extract_step_graph(g).step_graph.agents) == {"x", "y", "loose"}
+
+
+@pytest.mark.unit
+def test_graphs_that_run_each_other_are_extracted_once() -> None:
+    # Each graph's node runs the other (agents delegating to each other): an enclosing graph is not a subgraph.
+    def ask_b(state: Plain) -> dict[str, Any]:
+        return app_b.invoke(state)
+
+    def ask_a(state: Plain) -> dict[str, Any]:
+        return app_a.invoke(state)
+
+    ga, gb = StateGraph(Plain), StateGraph(Plain)
+    ga.add_node("a", ask_b)
+    ga.add_edge(START, "a")
+    gb.add_node("b", ask_a)
+    gb.add_edge(START, "b")
+    app_a, app_b = ga.compile(), gb.compile()
+    ex = extract_step_graph(app_a)
+    assert ex.subgraphs["a"].step_graph.agents == ("b",) and ex.subgraphs["a"].subgraphs == {}
+
+
+WORKERS = ("w1", "w2", "w3")
+# A supervisor that picks each worker once, each worker reporting back to it; by hand, per turn:
+# the supervisor runs: every worker is one step away; a worker runs: the supervisor is one step
+# away and the workers it did not pick two (through the supervisor), never one.
+SUPERVISOR_TURNS = ["supervisor", "w1", "supervisor", "w2", "supervisor", "w3", "supervisor"]
+SUPERVISOR_STE = [
+    {"supervisor": 0, "w1": 1, "w2": 1, "w3": 1},
+    {"supervisor": 1, "w1": 0, "w2": 2, "w3": 2},
+    {"supervisor": 0, "w1": 1, "w2": 1, "w3": 1},
+    {"supervisor": 1, "w1": 2, "w2": 0, "w3": 2},
+    {"supervisor": 0, "w1": 1, "w2": 1, "w3": 1},
+    {"supervisor": 1, "w1": 2, "w2": 2, "w3": 0},
+    {"supervisor": 0, "w1": 1, "w2": 1, "w3": 1},
+]
+
+
+@pytest.mark.unit
+def test_supervisor_steps_to_execution_match_the_hand_computed_values_in_both_adapters() -> None:
+    pytest.importorskip("autogen_agentchat")
+    from autogen_agentchat.teams import DiGraph, DiGraphEdge, DiGraphNode
+    from kvbaton.adapters.autogen import Instrumentation, graph_from_digraph
+
+    def supervisor(state: Plain) -> dict[str, Any]:
+        return {"log": ["supervisor"]}
+
+    def pick(state: Plain) -> str:
+        return next((w for w in WORKERS if w not in state["log"]), END)
+
+    g = StateGraph(Plain)
+    g.add_node("supervisor", supervisor)
+    for w in WORKERS:
+        g.add_node(w, lambda state, w=w: {"log": [w]})
+        g.add_edge(w, "supervisor")
+    g.add_edge(START, "supervisor")
+    g.add_conditional_edges("supervisor", pick, [*WORKERS, END])
+    client = InstantClient()
+    wrap(g.compile(), client).invoke({"log": []})
+    assert [ste for *_, ste in client.hint_calls] == SUPERVISOR_STE
+
+    # AutoGen: the same shape as a GraphFlow (a conditional edge to each worker, "any" edges back)
+    nodes = {"supervisor": DiGraphNode(name="supervisor", edges=[DiGraphEdge(target=w, condition=w) for w in WORKERS])}
+    for w in WORKERS:
+        nodes[w] = DiGraphNode(name=w, edges=[DiGraphEdge(target="supervisor", activation_condition="any")])
+    inst = Instrumentation(step_graph=graph_from_digraph(DiGraph(nodes=nodes)), client=InstantClient())
+
+    async def turns() -> None:
+        for agent in SUPERVISOR_TURNS:
+            await inst.turn_started(agent)
+            inst.turn_finished(agent)
+
+    asyncio.run(turns())
+    assert [h.steps for h in inst.hint_log] == SUPERVISOR_STE
 
 
 def test_agent_from_metadata() -> None:
@@ -329,11 +403,14 @@ def test_supervisor_graph_on_the_engine(client: Any) -> None:
     # step 3: the wildcard was narrowed to the observed hops; join sources just finished
     assert steps[2][1] == both
     assert steps[2][2] == {"planner": 1, "researcher": 2, "coder": 2, "reviewer": 0, "summarizer": 1}
-    # step 4 (the cycle): the join waits for both workers (max)
-    assert steps[3][2] == {"planner": 0, "researcher": 1, "coder": 1, "reviewer": 2, "summarizer": 1}
+    # step 4 (the cycle): the join waits for both workers (max); the reviewer picked the planner, so the
+    # summarizer it did not pick is as far as the reviewer's next run makes it (min over its router)
+    assert steps[3][1] == frozenset()
+    assert steps[3][2] == {"planner": 0, "researcher": 1, "coder": 1, "reviewer": 2, "summarizer": 3}
     assert steps[4][2]["reviewer"] == 1
-    # last step: the subgraph's inner nodes are the summarizer agent, they send no hints of their own
-    assert steps[6][2] == {"planner": 1, "researcher": 2, "coder": 2, "reviewer": 3, "summarizer": 0}
+    # last step: the subgraph's inner nodes are the summarizer agent, they send no hints of their own; the
+    # reviewer picked the exit, so nothing else can run again in this round
+    assert steps[6][2] == {"planner": INF, "researcher": INF, "coder": INF, "reviewer": INF, "summarizer": 0}
     assert set(sg.routers["planner"]) == {"researcher", "coder"}
 
     # -- handles on messages, agent identity (subgraph calls count for the outer node)
@@ -373,13 +450,8 @@ def test_checkpointer_interrupt_async_and_streaming(client: Any) -> None:
         q = HumanMessage("One word:")
         return {"messages": [q, await model.ainvoke([*state["messages"], q])]}
 
-    g = StateGraph(State)
-    g.add_node("first", ask)
-    g.add_node("second", ask)
-    g.add_edge(START, "first")
-    g.add_edge("first", "second")
-    g.add_edge("second", END)
-    app = wrap(g.compile(checkpointer=InMemorySaver(), interrupt_before=["second"]))
+    app = wrap(chain(State, {"first": ask, "second": ask}).compile(checkpointer=InMemorySaver(),
+                                                                 interrupt_before=["second"]))
     assert app.client is None  # adopted from the first KvbatonChatModel call
     config = {"configurable": {"thread_id": "t1"}}
 
@@ -429,11 +501,7 @@ def test_chat_openai_app_against_kvbaton_serve(server: Any, monkeypatch: pytest.
 
         return fn
 
-    g = StateGraph(State)
-    g.add_node("planner", node("planner"))
-    g.add_node("worker", node("worker"))
-    g.add_edge(START, "planner")
-    g.add_edge("planner", "worker")
+    g = chain(State, {"planner": node("planner"), "worker": node("worker")}, end=False)
     g.add_conditional_edges("worker", lambda s: "planner" if s["rounds"] < 2 else END)
     app = wrap(g.compile(), base_url=server.url, redirect_openai=True)
     sent: list[Any] = []
@@ -456,6 +524,6 @@ def test_chat_openai_app_against_kvbaton_serve(server: Any, monkeypatch: pytest.
     assert sent[1][1]["worker"] == 0 and sent[1][1]["planner"] == 1
     assert app.step_graph.routers["worker"] == ("planner",)
     # outside the wrapper the same model is untouched: no header, no redirect
-    from kvbaton.adapters._openai_dropin import CURRENT_CALL
+    from kvbaton.adapters.langgraph.openai_dropin import CURRENT_CALL
 
     assert CURRENT_CALL.get() is None

@@ -21,12 +21,13 @@ import pytest
 pytest.importorskip("langgraph")
 
 import kvbaton
-from kvbaton.adapters import core
+from kvbaton.adapters import connections
 from kvbaton.adapters.langgraph import KVBATON_KEY, ChatKvbaton, KvbatonChatModel, wrap
 from kvbaton.errors import InvalidRequest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, trim_messages
 from langchain_core.runnables import RunnableLambda
-from langgraph.graph import END, START, StateGraph, add_messages
+from langgraph.graph import START, StateGraph, add_messages
+from langgraph_apps import chain
 
 MODEL = "smollm2-135m-instruct"
 NOTES = "Notes: the blue team shipped the parser; the red team fixed three bugs; the green team wrote docs. "
@@ -46,13 +47,7 @@ def two_agents(llm: Any) -> Any:
 
         return fn
 
-    g = StateGraph(State)
-    g.add_node("writer", node("writer"))
-    g.add_node("critic", node("critic"))
-    g.add_edge(START, "writer")
-    g.add_edge("writer", "critic")
-    g.add_edge("critic", END)
-    return g.compile()
+    return chain(State, {"writer": node("writer"), "critic": node("critic")}).compile()
 
 
 def ai(out: dict[str, Any]) -> list[AIMessage]:
@@ -252,11 +247,11 @@ def test_wrapped_app_is_a_runnable_with_hints_and_handles_on_every_path(kv: Any)
 def test_chat_model_is_conventional(kv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVBATON_URL", raising=False)
     # no arguments: the process-wide embedded connection (registered here, so no second engine loads)
-    core.register_connection(kv)
+    connections.register_connection(kv)
     try:
         llm = ChatKvbaton(max_tokens=2)
     finally:
-        core.register_connection(None)
+        connections.register_connection(None)
     assert llm.client is kv and llm.model_name == kv.stats().model == MODEL
     with pytest.raises(ValueError, match="base_url"):
         KvbatonChatModel(client=kv, base_url="http://127.0.0.1:9")
@@ -301,5 +296,5 @@ def test_chat_model_from_kvbaton_url_or_base_url(server: Any, monkeypatch: pytes
         with pytest.raises(ModelNotFound, match="serves"):
             KvbatonChatModel(base_url=server.url, model="another-model")
     finally:
-        core.register_connection(None, server.url)
+        connections.register_connection(None, server.url)
         llm.client.close()

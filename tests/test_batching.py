@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import dense_greedy
-
 from kvbaton import SamplingParams
 from kvbaton.backend import Engine
 from kvbaton.bench.common import parallel  # raises the first request's error, failing the test
@@ -85,7 +84,7 @@ def test_prompt_beside_a_decoding_request_is_prefilled_in_small_chunks(chunking,
 def test_each_sequence_of_a_batched_forward_gets_logits_of_its_own(engine, corpus_tokens):
     """A handle keeps its last logits: a view into the batch's logits would keep every row of the
     batch alive with it (issue 20: the soak's server memory grew with its live handles)."""
-    from kvbaton.backend.model_runner import Chunk
+    from kvbaton.backend.compute.runner import Chunk
 
     blocks = [engine.pool.allocate(1) for _ in range(3)]
     try:
@@ -110,7 +109,7 @@ def test_background_work_waits_until_no_request_is_active(chunking, reference, c
     prompt = corpus_tokens[:300]
     done: list[int] = []
     with engine.scheduler.decoding():  # a request between its decode steps
-        check = threading.Thread(target=lambda: done.append(engine._dense_argmax(prompt)))
+        check = threading.Thread(target=lambda: done.append(engine.requests.first_token(prompt)))
         check.start()
         foreground = engine.complete(corpus_tokens[400:500], SamplingParams(max_tokens=2, ignore_eos=True))
         assert check.is_alive() and engine.scheduler.background_forwards == 0
@@ -129,7 +128,7 @@ def test_background_work_waits_for_a_quiet_period_after_the_last_request(chunkin
     engine.scheduler.background_quiet_s = 3600.0
     prompt = corpus_tokens[:200]
     done: list[int] = []
-    check = threading.Thread(target=lambda: done.append(engine._dense_argmax(prompt)))
+    check = threading.Thread(target=lambda: done.append(engine.requests.first_token(prompt)))
     check.start()
     for start in (400, 500):  # two turns, no request active in between
         engine.complete(corpus_tokens[start : start + 80], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -203,6 +203,28 @@ def test_report_picks_the_newest_publishable_record(tmp_path):
 
 
 @pytest.mark.unit
+def test_the_gpu_page_keeps_the_newest_run_of_each_phase_each_with_its_own_rows(tmp_path):
+    """The GPU benchmark runs phase by phase on a machine lent for minutes: a run stays on the page while it
+    has a phase no newer run measured; the targets read each phase from its newest run."""
+    def gpu(run_id, date, phases, shapes=()):
+        write(tmp_path, {"benchmark": "gpu", "run_id": run_id, "date": date,
+                         "phases": {name: {"status": status} for name, status in phases.items()},
+                         "rows": [{"shape": shape, "metric": "decode ms/token, batch 1", "kvbaton": 1.0}
+                                  for shape in shapes]})
+
+    gpu("20260101T000000Z-a", "2026-01-01", {"device": "ok", "speed-1b": "ok", "workflow": "ok"}, ["1b"])
+    gpu("20260201T000000Z-b", "2026-02-01", {"speed-1b": "ok", "workflow": "failed: OOM"}, ["1b"])
+    gpu("20260301T000000Z-c", "2026-03-01", {"speed-8b": "stopped before the profile: over its budget"}, ["8b"])
+    runs = report.phased_runs(tmp_path)
+    assert [r["run_id"] for r in runs] == ["20260301T000000Z-c", "20260201T000000Z-b", "20260101T000000Z-a"]
+    view = report.combined(runs)
+    assert set(view["phases"]) == {"speed-8b", "speed-1b", "device", "workflow"}
+    assert [r["shape"] for r in view["rows"]] == ["8b", "1b"]  # 1b's rows from b only, never twice
+    gpu("20260401T000000Z-d", "2026-04-01", {"device": "ok", "speed-1b": "ok", "speed-8b": "ok", "workflow": "ok"})
+    assert [r["run_id"] for r in report.phased_runs(tmp_path)] == ["20260401T000000Z-d"]
+
+
+@pytest.mark.unit
 @needs_git
 def test_report_names_run_and_commit_and_marks_older_code(tmp_path):
     head = git("rev-parse", "HEAD")
@@ -257,6 +279,127 @@ def test_correction_targets_count_only_runs_at_the_default_gate():
     assert not targets(few)[0].met
 
 
+# -- which baseline a speed-up is over -------------------------------------------------------------
+
+
+def timed_row(base: dict, sides: tuple[str, ...], keys: dict[str, float]) -> dict:
+    """A result row with every ``<side>_<key>`` measured twice (median = the value)."""
+    row = dict(base)
+    for side in sides:
+        for key, value in keys.items():
+            measured(row, f"{side}_{key}", [value * 0.9, value * 1.1])
+    return row
+
+
+def scaling_record(cached: bool) -> dict:
+    sides = ("text", "handles", *(("cached",) if cached else ()))
+    row = timed_row({"agents": 16}, sides, {"wall_s": 2.0, "ttft_mean_s": 0.5, "peak_kv_bytes": 2**26})
+    for side in sides:
+        row |= {f"{side}_prefilled": 1000, f"{side}_held_kv_bytes": 2**25, f"{side}_held_kv_blocks": 40}
+    row |= {"text_wall_s": 20.0, "text_peak_kv_bytes": 2**29, "wall_text_over_handles": 10.0,
+            "kv_text_over_handles": 8.0}
+    if cached:
+        row |= {"wall_cached_over_handles": 1.05, "kv_cached_over_handles": 1.0}
+    return {"benchmark": "scaling", "context_tokens": 1024, "rows": [row]}
+
+
+def branching_record(cached: bool) -> dict:
+    sides = ("copies", "forks", *(("cached",) if cached else ()))
+    row = timed_row({"branches": 16, "depth": 2}, sides, {"wall_s": 3.0, "peak_kv_bytes": 2**26})
+    for side in sides:
+        row |= {f"{side}_held_kv_bytes": 2**25, f"{side}_kv_blocks": 90, f"{side}_prefilled": 1300}
+    row |= {"copies_wall_s": 40.0, "forks_ideal_blocks": 128, "kv_copies_over_forks": 17.0}
+    if cached:
+        row["kv_cached_over_forks"] = 1.1
+    return {"benchmark": "branching", "rows": [row]}
+
+
+def serve_record(cached: bool) -> dict:
+    rows = []
+    for mode in ("on", "off", *(("cache",) if cached else ())):
+        rows.append(timed_row({"reuse": mode, "clients": 32, "requests": 64}, ("x",), {}) | {
+            "requests_per_s": 13.0 if mode != "off" else 1.2, "tokens_per_s": 100.0, "ttft_p50_s": 1.0,
+            "ttft_p99_s": 1.5})
+    rows[0] |= {"throughput_vs_off": 11.0, "ttft_p50_vs_off": 22.0}
+    if cached:
+        rows[0] |= {"throughput_vs_cache": 1.02, "ttft_p50_vs_cache": 1.01}
+    return {"benchmark": "serve", "rows": rows}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("make", [
+    lambda cached: ttft_record("r", "a" * 40, "2026-01-01", **({"rows": [
+        {**row, "replay_cached_s": 0.2, "replay_cached_over_resume": 0.9}
+        for row in ttft_record("r", "a" * 40, "2026-01-01")["rows"]]} if cached else {})),
+    scaling_record, branching_record, serve_record,
+], ids=["ttft", "scaling", "branching", "serve"])
+def test_every_speedup_over_text_replay_names_its_baseline_and_older_records_say_what_they_lack(make):
+    from kvbaton.bench.common import NOT_MEASURED
+    from kvbaton.bench.headline import headline
+
+    old, new = make(False), make(True)
+    name = old["benchmark"]
+    for rec in (old, new):
+        assert "prefix cache off" in headline(rec)
+    # a record from before the prefix-cache baseline renders, and says what it does not hold
+    assert NOT_MEASURED in headline(old) and NOT_MEASURED in report.table_of(name, old)
+    # one that measured it puts it beside the other, in the headline and the table
+    assert NOT_MEASURED not in headline(new) and NOT_MEASURED not in report.table_of(name, new)
+    assert "prefix cache on" in headline(new)
+    assert "cache" in report.table_of(name, new).splitlines()[0]  # a column of its own
+
+
+@pytest.mark.unit
+def test_the_correction_table_says_its_speedups_are_ratios_of_means():
+    from kvbaton.bench import correction
+    from kvbaton.bench.headline import headline
+
+    rows = [measured({"method": method, "shared_tokens": 4096, "prompts": 60, "ttft_mean_s": mean,
+                      "ttft_p90_s": mean, "speedup_vs_dense": 8.0 / mean, "first_token_agreement": 1.0,
+                      "greedy32_agreement": 1.0, "kl_mean": 0.0, "reuse_ratio": 0.5, "anchor_pool_bytes": 0,
+                      "outcomes": {}}, "ttft_s", [mean / 2, mean / 3, mean * 3])
+            for method, mean in (("dense", 8.0), ("lowrank_chained", 4.0))]
+    rec = {"benchmark": "correction", "rows": rows, "default_gate": True, "gate": {}}
+    table = correction.table(rec, simulated=False)
+    assert "TTFT mean s" in table and "vs dense (means)" in table and "2.00x" in table  # 8.0 / 4.0: the means
+    assert "ratio of means" in headline(rec) and "mean" in correction.SUMMARY and "median" not in headline(rec)
+
+
+@pytest.mark.unit
+def test_transfer_cells_at_the_cost_models_own_crossover():
+    from kvbaton.bench.common import rate
+    from kvbaton.bench.headline import headline
+    from kvbaton.bench.transfer import crossover_speed, link_of, table
+
+    assert [rate(x) for x in (None, 1e8, 3e7, 1.6e7, 2.5e9, 900.0)] == [
+        "unpaced", "100 MB/s", "30 MB/s", "16 MB/s", "2.5 GB/s", "900 B/s"]
+    # transfer = latency + bytes / speed + overhead equals the predicted recompute at bytes / (recompute - fixed)
+    row = {"kv_bytes": 9_900_000, "predicted_recompute_s": 1.0, "link_latency_s": 0.001, "resume_overhead_s": 0.009}
+    assert crossover_speed(row) == pytest.approx(1e7)
+    assert crossover_speed({**row, "predicted_recompute_s": 0.005}) is None  # no link is fast enough
+
+    def cell(cap: float | None, kind: str, choice: str, faster: str, error: float, **extra) -> dict:
+        out = {"cell": kind, "bandwidth_cap_bytes_per_s": cap, "context_tokens": 1024, "kv_bytes": 47_000_000,
+               "predicted_transfer_s": 1.0, "predicted_recompute_s": 2.5, "transfer_error": error,
+               "recompute_error": 0.1, "model_choice": choice, "faster_measured": faster,
+               "recompute_over_transfer": 1.1, **extra}
+        return measured(measured(out, "transfer_s", [1.0]), "recompute_s", [2.5])
+
+    fork = {"k": 2, "handles_s": 3.0, "replay_s": 3.3, "replay_over_handles": 1.1, "moves": 0, "moves_transfer": 0,
+            "peak_kv_bytes_handles": {0: 1}, "peak_kv_bytes_replay": {0: 1}}
+    rec = {"benchmark": "transfer", "fork": [fork], "crossover": [
+        cell(None, "sweep", "transfer", "transfer", -0.83), cell(1e8, "sweep", "transfer", "transfer", 0.01),
+        cell(1.9e7, "crossover", "transfer", "recompute", -0.02, crossover_factor=1.0,
+             predicted_crossover_bytes_per_s=1.9e7)]}
+    assert [link_of(r) for r in rec["crossover"]] == ["unpaced", "paced 100 MB/s", "1 x crossover = 19 MB/s"]
+    text = headline(rec)
+    assert "2/2 cells of the sweep" in text and "0/1 cells at its own predicted crossover" in text
+    assert "on the unpaced link -83% to -83%" in text and "emulated" in text
+    assert "not measured" not in table(rec)
+    old = {**rec, "crossover": [{k: v for k, v in r.items() if k != "cell"} for r in rec["crossover"][:2]]}
+    assert "not measured in this record" in headline(old) and "not measured in this record" in table(old)
+
+
 # -- one small benchmark end to end (loads the model) ----------------------------------------------
 
 
@@ -283,7 +426,7 @@ def test_ttft_benchmark_writes_one_record_with_every_repeat(tmp_path):
 
 @pytest.mark.unit
 def test_prefill_line_is_a_least_squares_fit_and_refits_online_from_observed_prefills():
-    from kvbaton.backend.costmodel import Calibration, CostModel, fit_line, prediction_error
+    from kvbaton.backend.cluster.costmodel import Calibration, CostModel, fit_line, prediction_error
 
     points = [(float(n), 0.05 + 0.004 * n) for n in (32, 128, 512, 1024, 2048)]
     fixed, per_token = fit_line(points)

@@ -4,11 +4,12 @@ comes back bit-identical or not at all, and a failed write leaves nothing behind
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 import torch
-from kvbaton.backend import blockfile
-from kvbaton.backend.blockfile import BlockDataError
+from kvbaton.backend.cache import blockfile
+from kvbaton.backend.cache.blockfile import BlockDataError
 
 pytestmark = pytest.mark.unit
 
@@ -52,20 +53,29 @@ def test_a_flipped_byte_fails_the_checksum(tmp_path):
         blockfile.read(path, crc)
 
 
-def test_a_failed_write_leaves_no_file_and_keeps_the_old_block(tmp_path, monkeypatch):
+def test_a_failed_write_leaves_no_file_keeps_the_old_block_and_says_enospc(tmp_path, monkeypatch):
     path = tmp_path / "1.safetensors"
     old_crc = blockfile.write(path, *block())
+    real_write = os.write
 
-    def full_disk(tensors, filename):
-        with open(filename, "wb") as f:
-            f.write(b"partial")  # what a full disk leaves before it fails
+    def nearly_full(fd, data):  # what a nearly full disk does: part of the write, then ENOSPC
+        if len(data) > 64:
+            return real_write(fd, bytes(data[:64]))
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(blockfile, "save_file", full_disk)  # the disk, not the engine: there is no full disk to hand
+    monkeypatch.setattr("kvbaton.backend.cache.volume.os.write", nearly_full)  # the disk, not the engine
     k, v = block()
-    with pytest.raises(OSError):
-        blockfile.write(path, k + 1, v)
-    with pytest.raises(OSError):
-        blockfile.write(tmp_path / "2.safetensors", k, v)
+    for target in (path, tmp_path / "2.safetensors"):
+        with pytest.raises(OSError) as failed:
+            blockfile.write(target, k + 1, v)
+        assert failed.value.errno == errno.ENOSPC, "a full disk is told as such: the caller may give space back"
+    monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1.safetensors"]
     assert torch.equal(blockfile.read(path, old_crc)[0], k), "the block written before is intact"
+
+
+def test_size_bounds_what_a_block_file_takes(tmp_path):
+    k, v = block()
+    path = tmp_path / "1.safetensors"
+    blockfile.write(path, k, v)
+    assert path.stat().st_size <= blockfile.size(k.nbytes + v.nbytes)

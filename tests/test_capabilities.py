@@ -15,8 +15,8 @@ import math
 
 import kvbaton
 import pytest
-from kvbaton.backend.eviction import StepsToExecution
-from kvbaton.backend.sglang_plugin.engine import gigabytes, kv_tokens_for_budget
+from kvbaton.backend.cache.eviction import StepsToExecution
+from kvbaton.backend.sglang_plugin.budget import gigabytes, kv_tokens_for_budget
 from kvbaton.backend.sglang_plugin.table import (
     ACTION_TYPE,
     HintError,

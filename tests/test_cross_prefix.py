@@ -5,18 +5,25 @@ what another agent already read (the span index + ``reuse=`` policies), never si
 - ``reuse="exact"`` (the default) never changes greedy output against dense prefill;
 - an approximate answer is marked on the Result (``exact``, ``tokens_approximate``, ``segments``);
 - partial prefix hits inside a segment keep the cached part and place only the remainder;
-- the span index is scoped (no reuse across scopes) and bounded, and forgets released sources;
+- the span index is partitioned (tenants, and sessions: a run never places another run's spans) and bounded;
+- a released source stays one for as long as the prefix cache holds its blocks, never longer (issue 40);
+- ``reuse="exact"`` is exact, whatever handle it is given;
 - an agent resumes its own approximate turn instead of re-prefilling its transcript;
 - the silent spots of issue 19 each have a regression test here.
 """
 
 from __future__ import annotations
 
+import math
+
 import kvbaton
 import pytest
 from conftest import dense_greedy
-from kvbaton.backend.audit import FidelityAudit
-from kvbaton.backend.spans import MIN_SPAN, TAIL, SpanIndex
+from kvbaton.backend import Engine
+from kvbaton.backend.cache.sequence import KVState
+from kvbaton.backend.reuse.audit import FidelityAudit
+from kvbaton.backend.reuse.spans import MIN_SPAN, TAIL, SpanIndex
+from kvbaton.backend.tenants import AgentRef
 from kvbaton.bench.corpus import document
 from kvbaton.errors import InvalidRequest
 
@@ -142,24 +149,30 @@ def test_merge_of_an_approximate_handle_reports_its_parts_honestly(engine, doc):
 
 
 def test_released_sources_are_forgotten_and_scopes_never_mix(engine, doc):
-    engine.span_scope = lambda agent: agent.split("/", 1)[0] if agent else None
-    reader = engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="tenant-a/reader")
-    other = engine.generate(chat(REVIEWER, doc, "Risk?"), sampling=GREEDY, agent="tenant-b/reviewer", reuse="rotate")
+    from kvbaton.backend.tenants import AgentRef, TenantPartition
+
+    engine.partition_tenants(TenantPartition(spans=True))
+    reader = engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent=AgentRef("tenant-a", "reader"))
+    other = engine.generate(chat(REVIEWER, doc, "Risk?"), sampling=GREEDY, agent=AgentRef("tenant-b", "reviewer"),
+                            reuse="rotate")
     assert other.segments == [] and other.exact  # another tenant's document is not a source
     engine.flush_cache()  # (the prefix cache would serve tenant B's exact prompt prefix here)
-    same = engine.generate(chat(REVIEWER, doc, "Owner?"), sampling=GREEDY, agent="tenant-a/reviewer", reuse="rotate")
+    same = engine.generate(chat(REVIEWER, doc, "Owner?"), sampling=GREEDY, agent=AgentRef("tenant-a", "reviewer"),
+                           reuse="rotate")
     assert [s.source for s in same.segments] == [reader.handle.id]
     engine.release([reader.handle, same.handle])
     engine.flush_cache()
-    again = engine.generate(chat(REVIEWER, doc, "Who?"), sampling=GREEDY, agent="tenant-a/critic", reuse="rotate")
+    again = engine.generate(chat(REVIEWER, doc, "Who?"), sampling=GREEDY, agent=AgentRef("tenant-a", "critic"),
+                            reuse="rotate")
     assert reader.handle.id not in {s.source for s in again.segments}
     engine.release([other.handle, again.handle])
-    assert len(engine.spans) == 0 and engine.stats().handles_live == 0
+    engine.flush_cache()  # what the cache kept of the released handles goes with it
+    assert len(engine.spans) == 0 and len(engine.spans.cached) == 0 and engine.stats().handles_live == 0
 
 
 def test_span_index_is_bounded():
     index = SpanIndex(capacity=64)
-    from kvbaton.backend.sequence import KVState
+    from kvbaton.backend.cache.sequence import KVState
 
     for i in range(20):
         state = KVState(id=str(i), token_ids=list(range(i * 1000, i * 1000 + 400)), blocks=[], num_cached=400,
@@ -217,18 +230,20 @@ def test_reuse_policy_is_validated(engine):
     assert MIN_SPAN >= 16
 
 
-def test_sampled_audit_checks_approximate_answers_against_dense(engine, doc):
-    engine.audit.close()
-    engine.audit = FidelityAudit(engine._dense_argmax, fraction=1.0)
-    engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
-    for persona in ("You are a strict reviewer.", "You are a kind reviewer."):
-        result = engine.generate(chat(persona, doc, "Risk?"), sampling=GREEDY, agent="reviewer", reuse="rotate")
-        assert not result.exact
-    exact = engine.generate(chat(REVIEWER, doc, "Deadline?"), sampling=GREEDY, agent="reviewer")
-    assert exact.exact  # exact answers are never audited
-    engine.audit.flush()
-    audit = engine.stats().audit
-    assert audit.checked == 2 and audit.agents["reviewer"].checked == 2 and 0 <= audit.agreed <= 2
+def test_sampled_audit_checks_approximate_answers_against_dense(doc):
+    engine = kvbaton.backend.Engine(kv_budget="384MiB", audit_fraction=1.0)  # every approximate answer checked
+    try:
+        engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
+        for persona in ("You are a strict reviewer.", "You are a kind reviewer."):
+            result = engine.generate(chat(persona, doc, "Risk?"), sampling=GREEDY, agent="reviewer", reuse="rotate")
+            assert not result.exact
+        exact = engine.generate(chat(REVIEWER, doc, "Deadline?"), sampling=GREEDY, agent="reviewer")
+        assert exact.exact  # exact answers are never audited
+        engine.audit.flush()
+        audit = engine.stats().audit
+        assert audit.checked == 2 and audit.agents["reviewer"].checked == 2 and 0 <= audit.agreed <= 2
+    finally:
+        engine.close()
 
 
 @pytest.mark.unit
@@ -253,3 +268,135 @@ def test_audit_raises_the_gate_of_an_agent_that_disagrees_and_stays_bounded():
     sampled.flush()
     assert sampled.stats().checked == 2  # every fourth
     sampled.close()
+
+
+# -- issue 40: released sources, sessions, exact means exact ------------------------------------------
+
+
+def test_a_released_readers_document_is_reused_while_the_prefix_cache_holds_it(engine, doc):
+    """The README's pattern: the reader's handle is released as soon as it answered. Its exact full blocks
+    stay in the prefix cache, and so do its spans (before: 0 tokens reused)."""
+    reader = engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
+    engine.release(reader.handle)
+    review = engine.generate(chat(REVIEWER, doc, "What is the biggest risk?"), sampling=GREEDY, agent="reviewer",
+                             reuse="rotate")
+    (span,) = review.segments
+    assert span.source == reader.handle.id and span.outcome == "rotated" and not span.exact
+    assert span.end - span.start >= len(engine.tokenize(doc)) - 2 * engine.block_size
+    # A released handle's partial last block is not cached: spans end at its last full cached block.
+    cached_tokens = (reader.handle.num_tokens - 1) // engine.block_size * engine.block_size
+    assert span.end <= cached_tokens
+    assert review.timings.tokens_approximate == span.tokens_reused > 0
+    assert not review.exact and not review.handle.exact
+
+
+def test_a_block_the_cache_let_go_is_never_read_as_the_tokens_it_held(doc):
+    """Evicting a released source's blocks ends its spans; the pool hands those block ids out again for
+    other tokens, and a lookup of the old tokens finds nothing."""
+    engine = Engine(kv_budget="40 blocks")
+    try:
+        reader = engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
+        engine.release(reader.handle)
+        view = engine.spans.cached.get(reader.handle.id)
+        assert view is not None and view.num_cached >= MIN_SPAN
+        whole_pool = 40 * engine.block_size - 1
+        other = engine.materialize(engine.tokenize(document(600, seed=99))[:whole_pool])
+        assert set(view.blocks) & set(engine.handles.get(other).blocks)  # the same ids, other tokens now
+        assert engine.spans.cached.get(reader.handle.id) is None
+        prompt = engine.chat_tokens(chat(REVIEWER, doc, "What is the biggest risk?"))
+        assert engine.spans.find(prompt, 0, len(prompt) - TAIL, "") == []
+        engine.release(other)
+        review = engine.generate(chat(REVIEWER, doc, "What is the biggest risk?"), sampling=GREEDY,
+                                 agent="reviewer", reuse="rotate")
+        assert review.segments == [] and review.exact
+    finally:
+        engine.close()
+
+
+@pytest.mark.unit
+def test_a_view_of_cached_blocks_ends_before_the_first_block_the_cache_drops():
+    index = SpanIndex(block_size=16)
+    tokens = list(range(1000, 1320))
+    state = KVState(id="h", token_ids=tokens, blocks=list(range(20)), num_cached=320, lineage=())
+    index.index(state)
+    index.release(state, list(range(100, 120)))  # the cache's copies of its 20 full blocks
+    prompt = [7] * 40 + tokens
+    (found,) = index.find(prompt, 0, len(prompt), "")
+    assert found.length == 320 and found.source.blocks == list(range(100, 120))
+    index.cached.dropped([110])  # blocks 10.. of it are no longer the cache's
+    (found,) = index.find(prompt, 0, len(prompt), "")
+    assert found.length == 160 and found.source.blocks == list(range(100, 110))
+    index.cached.dropped([101])  # what is left is shorter than a span: the source is gone
+    assert index.find(prompt, 0, len(prompt), "") == [] and len(index.cached) == 0
+    assert len(index) == 0  # and its anchors with it
+
+
+def test_approximate_reuse_stays_in_its_session_unless_the_engine_spans_the_tenant(engine, doc):
+    """KVCMAS computes a workflow's first agent densely: a request that names its session (a workflow run)
+    places only spans of its own session; ``span_partition="tenant"`` shares them across sessions."""
+    reader = engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent=AgentRef(None, "reader", "run-1"))
+    fresh = engine.generate(chat(REVIEWER, doc, "Risk?"), sampling=GREEDY,
+                            agent=AgentRef(None, "reviewer", "run-2"), reuse="rotate")
+    assert fresh.segments == [] and fresh.exact  # another run's document shapes nothing
+    # (other personas below: the prefix cache, exact, would serve the reviewer's own prompt prefix)
+    unnamed = engine.generate(chat("You are the editor.", doc, "Owner?"), sampling=GREEDY, agent="editor",
+                              reuse="rotate")
+    assert unnamed.segments == []  # nor does it for a request that names no session
+    same = engine.generate(chat("You are the critic.", doc, "Deadline?"), sampling=GREEDY,
+                           agent=AgentRef(None, "critic", "run-1"), reuse="rotate")
+    assert [s.source for s in same.segments] == [reader.handle.id] and not same.exact
+    wide = Engine(kv_budget="128MiB", span_partition="tenant")
+    try:
+        first = wide.generate(chat(READER, doc, "Summarize."), sampling=GREEDY,
+                              agent=AgentRef(None, "reader", "run-1"))
+        other = wide.generate(chat(REVIEWER, doc, "Risk?"), sampling=GREEDY,
+                              agent=AgentRef(None, "reviewer", "run-2"), reuse="rotate")
+        assert [s.source for s in other.segments] == [first.handle.id]
+    finally:
+        wide.close()
+    with pytest.raises(InvalidRequest):
+        Engine(span_partition="everywhere")
+
+
+def test_exact_policy_on_an_approximate_handle_recomputes_its_approximate_part(engine, reference, doc):
+    """``generate(handle=<approximate handle>, reuse="exact")`` keeps only the handle's exact prefix and
+    prefills the rest densely: token-identical to dense prefill, marked exact."""
+    engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
+    messages = chat(REVIEWER, doc, "What is the biggest risk?")
+    rotated = engine.generate(messages, sampling=GREEDY, agent="reviewer", reuse="rotate")
+    assert not rotated.handle.exact
+    follow_up = messages + [{"role": "assistant", "content": rotated.text}, {"role": "user", "content": "Owner?"}]
+    result = engine.generate(follow_up, handle=rotated.handle, sampling=GREEDY, agent="reviewer", reuse="exact")
+    expected, _ = dense_greedy(reference, engine.chat_tokens(follow_up), GREEDY.max_tokens)
+    assert result.token_ids == expected
+    assert result.exact and result.token_identical and result.timings.tokens_approximate == 0
+
+
+def test_a_rejected_approximation_throws_away_little_and_answers_as_dense_prefill(reference, doc):
+    """Issue 40: ``reuse="auto"`` decides its confidence gate on a probe (the spans re-aligned, only the rest
+    of the prompt computed behind them): an unsure probe goes dense at once, having thrown away the probe's
+    tokens only; a blend rejected late also throws away the blend. Either way the answer is dense prefill's,
+    and ``tokens_discarded`` (per request, and summed in the stats) says what the rejection cost."""
+    messages = chat(REVIEWER, doc, "What is the biggest risk?")
+    discarded = {}
+    for gate, cfg in (("probe_min_margin", {"probe_min_margin": 1000.0}),
+                      ("blend", {"probe_min_margin": 0.0, "blend_min_margin": 1000.0})):
+        engine = Engine(kv_budget="128MiB", audit_fraction=0, correction=cfg)
+        try:
+            engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
+            review = engine.generate(messages, sampling=GREEDY, agent="reviewer", reuse="auto")
+            (span,) = review.segments
+            assert span.outcome == "recomputed" and span.reason.startswith("low confidence") and review.exact
+            assert ("probe_min_margin" in span.reason) == (gate == "probe_min_margin")
+            prompt = engine.chat_tokens(messages)
+            assert review.token_ids == dense_greedy(reference, prompt, GREEDY.max_tokens)[0]
+            assert engine.stats().tokens_discarded == review.timings.tokens_discarded
+            discarded[gate] = review.timings.tokens_discarded
+            placed = span.end - span.start - span.tokens_cached
+            after = len(prompt) - (span.offset + span.end - span.start)  # the tail: what the probe computes
+        finally:
+            engine.close()
+    assert discarded["probe_min_margin"] == after
+    # late: the probe, the two-layer deviation pass, the blended tokens and the tail again
+    late = 2 * after + math.ceil(0.1 * placed) + placed * 2 / engine.loaded.num_layers
+    assert abs(discarded["blend"] - late) <= 1

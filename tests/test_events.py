@@ -16,7 +16,7 @@ import pytest
 from kvbaton import Event, Events, InvalidRequest
 from kvbaton.backend.events import EventRing
 from kvbaton.backend.server.dashboard import offline_page, read_events
-from server_fixtures import TOKEN_A, TOKEN_B
+from server_fixtures import TOKEN_A, TOKEN_B, ServerProcess
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -177,14 +177,15 @@ def test_events_are_behind_the_token_and_scoped_to_the_tenant(secure_server) -> 
         for path in ("/v1/kv/events", "/v1/kv/events/stream", "/v1/kv/stats"):
             response = anon.get(path)
             assert response.status_code == 401 and response.json()["error"]["code"] == "unauthorized"
-        since = a.get("/v1/kv/events").json()["next"]
+        since = a.get("/v1/kv/events").json()["next"]  # each tenant's events are numbered in its own sequence
+        b_since = b.get("/v1/kv/events").json()["next"]
         for client, agent in ((a, "alice"), (b, "bob")):
             r = client.post("/v1/kv/generate", json={"messages": [{"role": "user", "content": "Hi"}], "agent": agent,
                                                      "max_tokens": 2})
             assert r.status_code == 200, r.text
             client.post("/v1/kv/release", json={"handles": [r.json()["handle"]["id"]]})
         mine = a.get("/v1/kv/events", params={"since": since}).json()
-        theirs = b.get("/v1/kv/events", params={"since": since}).json()
+        theirs = b.get("/v1/kv/events", params={"since": b_since}).json()
         assert [e["agent"] for e in mine["events"] if e["kind"] == "request"] == ["alice"]
         assert [e["agent"] for e in theirs["events"] if e["kind"] == "request"] == ["bob"]
         assert mine["events"][0]["tenant"] and mine["events"][0]["tenant"] != theirs["events"][0]["tenant"]
@@ -197,11 +198,42 @@ def test_events_are_behind_the_token_and_scoped_to_the_tenant(secure_server) -> 
             first = [next(lines) for _ in range(3)]
         assert first[0].startswith("id: ") and first[1] == "event: event"
         assert json.loads(first[2].removeprefix("data: "))["agent"] == "alice"
-        metrics = a.get("/metrics").text  # per-agent counters, labelled by the salted tenant id, never the token
+        # Per-agent counters, labelled by the salted tenant id, never the token; a tenant's own agents only.
+        metrics, theirs_metrics = a.get("/metrics").text, b.get("/metrics").text
         assert re.search(r'kvbaton_agent_requests_total\{agent="alice",tenant="t-[0-9a-f]+"\} [1-9]', metrics)
         assert re.search(r'kvbaton_agent_prompt_tokens_total\{agent="bob",source="prefilled",tenant="t-[0-9a-f]+"\}',
-                         metrics)
-        assert TOKEN_A not in metrics and TOKEN_B not in metrics
+                         theirs_metrics)
+        assert 'agent="bob"' not in metrics and 'agent="alice"' not in theirs_metrics
+        assert TOKEN_A not in metrics + theirs_metrics and TOKEN_B not in metrics + theirs_metrics
+
+
+def _event_ids(http, headers: dict[str, str], params: dict[str, int] | None, count: int) -> list[int]:
+    """The ids of the first ``count`` events an event stream sends."""
+    ids: list[int] = []
+    with http.stream("GET", "/v1/kv/events/stream", headers=headers, params=params) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("id: "):
+                ids.append(int(line.removeprefix("id: ")))
+                if len(ids) == count:
+                    break
+    return ids
+
+
+def test_a_reconnecting_event_source_gets_no_event_twice(secure_server) -> None:
+    """A browser's EventSource sends the last id it got as ``Last-Event-ID`` when it reconnects: the
+    stream goes on after it (a ``since`` in the query, when given, wins)."""
+    with secure_server.http() as a:
+        since = a.get("/v1/kv/events").json()["next"]
+        for _ in range(2):
+            r = a.post("/v1/kv/generate", json={"messages": [{"role": "user", "content": "Hi"}], "agent": "eve",
+                                                "max_tokens": 2})
+            a.post("/v1/kv/release", json={"handles": [r.json()["handle"]["id"]]})
+        first = _event_ids(a, {}, {"since": since}, 2)
+        again = _event_ids(a, {"Last-Event-ID": str(first[0])}, None, 1)  # reconnected after the first event
+        assert again == first[1:2] and again[0] > first[0]
+        assert _event_ids(a, {"Last-Event-ID": str(first[0])}, {"since": since}, 1) == first[:1]  # the query wins
+        bad = a.get("/v1/kv/events/stream", headers={"Last-Event-ID": "not-an-id"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "Last-Event-ID"
 
 
 def test_the_page_loads_without_the_token_but_holds_no_data(secure_server) -> None:
@@ -229,25 +261,51 @@ def _chromium(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="needs Debian's chromium package at /usr/bin/chromium")
-def test_the_live_page_shows_every_agent_of_a_run(secure_server) -> None:
+def test_the_live_page_draws_every_agent_and_states_its_numbers_in_words() -> None:
+    import kvbaton
+
+    # Its own server: a pool of ~27 blocks over a host tier, so that the cache evicts hinted agents'
+    # registered prompts to the tier and loads them back, and the page has every panel to draw.
+    server = ServerProcess(["--kv-budget", "20MiB", "--tier", "host:64MiB", "--token", TOKEN_A], token=TOKEN_A).start()
     agents = ["scout", "analyst", "judge"]
-    with secure_server.http() as http:
-        handle = None
-        for agent in agents:  # one agent after the other, each going on from the last one's handle
-            body: dict[str, Any] = {"messages": [{"role": "user", "content": f"{agent}, say one word."}],
-                                    "agent": agent, "max_tokens": 2}
-            if handle is not None:
-                body["handle"] = handle
-            r = http.post("/v1/kv/generate", json=body)
-            assert r.status_code == 200, r.text
-            handle = r.json()["handle"]["id"]
+    try:
+        client = kvbaton.connect(server.url, token=TOKEN_A)
+        client.hints({"scout": 0, "analyst": 1, "judge": 2})  # every agent hinted before anything is cached
+        prompts = {agent: f"You are the {agent} of the review team. " * 8 for agent in agents}
+        for agent in agents:
+            client.register_agent(agent, prompts[agent], prefill=True)
+        for i in range(6):  # unrelated long prompts push the registered prompts out to the host tier
+            client.release(client.materialize(f"Filler {i}. " + "lorem ipsum dolor " * 60, agent="filler"))
+        for agent in agents:  # each agent's turn finds its prompt in the tier
+            client.hints({"scout": 2, "analyst": 1, "judge": 0, agent: 0}, running=[agent])
+            client.release(client.complete(prompts[agent] + "Say one word.", max_tokens=2, agent=agent).handle)
         # The token travels in the URL fragment: browsers never send it to the server in the URL.
-        done = _chromium("--virtual-time-budget=4000", "--dump-dom", f"{secure_server.url}/dashboard#token={TOKEN_A}")
-        http.post("/v1/kv/release_all")
+        done = _chromium("--virtual-time-budget=4000", "--dump-dom", f"{server.url}/dashboard#token={TOKEN_A}")
+        client.close()
+    finally:
+        server.stop()
     assert done.returncode == 0, done.stderr[-2000:]
-    lanes = set(re.findall(r'<text x="6" y="[\d.]+" data-lane="([^"]+)"', done.stdout))
-    assert set(agents) <= lanes, (lanes, done.stdout[-3000:])
-    assert "this server needs its token" not in done.stdout
+    dom = done.stdout
+    assert "this server needs its token" not in dom
+    lanes = set(re.findall(r'<text x="6" y="[\d.]+" data-lane="([^"]+)"', dom))
+    assert {*agents, "cache"} <= lanes, (lanes, dom[-3000:])
+    assert '{"' not in dom and "&quot;" not in dom, "no raw JSON anywhere on the page"
+    # evictions name the hinted owners of the blocks they moved, with their steps-to-execution in words
+    evictions = re.findall(r'<rect class="evict"[^>]*><title>([^<]*)</title>', dom)
+    assert evictions and all(re.fullmatch(r"evicted [\d,]+ blocks to host \(policy ste\); .+", t) for t in evictions)
+    assert any(re.search(r"owners .*\b(scout|analyst|judge) \((running|STE \d+)\)", t) for t in evictions), evictions
+    # every tier row has its capacity, in blocks and bytes
+    assert re.search(r'<tr data-tier="device"><td>device</td><td>[\d,]+ / [\d,]+</td><td>[\d.]+ MiB / [\d.]+ MiB</td>'
+                     r'<td>\d+ %</td></tr>', dom)
+    assert re.search(r'<tr data-tier="host"><td>host</td><td>[\d,]+ / [\d,]+</td><td>[\d.]+ MiB / 6\d\.\d MiB</td>'
+                     r'<td>\d+ %</td></tr>', dom), dom[-3000:]
+    # where reused blocks were found, in words (device or host: prefetch may bring a prompt back first)
+    assert re.search(r"cache hits \(blocks\): (device|host) [\d,]+(, (device|host) [\d,]+)?<", dom)
+    # the per-agent table: counts, TTFT in seconds, the reuse share in percent
+    for agent in agents:
+        assert re.search(rf'<tr data-agent="{agent}"><td>{agent}</td><td>[\d,]+</td><td>\d+\.\d{{3}}</td>'
+                         r'(<td>[\d,]+</td>){3}<td>\d+ %</td>', dom), agent
+    assert len(re.findall(r'class="axis tick"', dom)) >= 3, "the reuse chart has a time axis"
 
 
 # -- per-agent metrics (no model) ----------------------------------------------------------------------

@@ -19,7 +19,7 @@ def test_resume_equals_dense_prefill(engine, reference, corpus_tokens, prefix_le
     result = engine.resume(handle, suffix, engine_sampling(max_tokens=GENERATED))
     expected, dense_logits = dense_greedy(reference, prefix + suffix, GENERATED)
 
-    assert result.token_ids == expected
+    assert result.token_ids == expected and result.exact and result.token_identical
     assert torch.max(torch.abs(logits - dense_logits)).item() < 1e-4
     assert result.timings.tokens_reused == prefix_len
     assert result.timings.tokens_prefilled == len(suffix)
@@ -53,6 +53,33 @@ def test_text_and_token_inputs_agree(engine):
     assert engine.resume(by_text, " So", engine_sampling(max_tokens=6)).token_ids == engine.resume(
         by_ids, " So", engine_sampling(max_tokens=6)
     ).token_ids
+
+
+def test_bfloat16_exact_means_this_engines_dense_prefill_and_promises_no_more(corpus_tokens):
+    """Issue 40: in bfloat16 ``exact`` keeps its one meaning (the K/V are this engine's own dense prefill of
+    the same tokens) but does not promise token-identical output: a prefix-cache hit splits the prompt's
+    computation differently from a fresh prefill, which rounds differently. Every bf16 result says so."""
+    from kvbaton.backend import Engine
+
+    engine = Engine(kv_budget="128MiB", dtype="bfloat16")
+    try:
+        prompt = corpus_tokens[:400]
+        head = engine.materialize(prompt[:160])  # the prefix cache now holds the first 160 tokens
+        split = engine.resume(engine.materialize(prompt), [], engine_sampling(max_tokens=4))
+        assert split.exact and not split.token_identical
+        assert torch.equal(*(engine.kv_rows(h, 0, 160)[0] for h in (split.handle, head)))  # cached: the same bits
+        engine.release(head)
+        engine.flush_cache()
+        fresh = engine.resume(engine.materialize(prompt), [], engine_sampling(max_tokens=4))  # one prefill
+        assert fresh.exact and not fresh.token_identical
+        # The same tokens, computed in other chunks: the K/V agree up to bf16 rounding, but not bit for bit.
+        k1, v1 = engine.kv_rows(split.handle, 160, 240)
+        k2, v2 = engine.kv_rows(fresh.handle, 160, 240)
+        for a, b in ((k1, k2), (v1, v2)):
+            relative = float((a.float() - b.float()).norm() / b.float().norm())
+            assert 0 < relative < 0.05
+    finally:
+        engine.close()
 
 
 def engine_sampling(**kw):

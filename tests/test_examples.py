@@ -12,7 +12,7 @@ import pytest
 from kvbaton.cli import main as cli
 from kvbaton.examples import EXAMPLES
 
-TINY = ["--baseline", "both", "--quiet", "--max-tokens", "3"]
+TINY = ["--baseline", "all", "--quiet", "--max-tokens", "3"]
 ARGS = {
     "debate": ["--rounds", "1", "--context-words", "60"],
     "tree_of_thought": ["--k", "2", "--depth", "1", "--context-words", "60"],
@@ -33,28 +33,32 @@ def test_every_example_is_tested():
 
 
 @pytest.mark.parametrize("name", sorted(ARGS))
-def test_example_runs_in_both_modes_and_reports_metrics(name, capsys, tmp_path):
+def test_example_runs_in_every_mode_and_reports_metrics(name, capsys, tmp_path):
     import importlib
 
     plot = tmp_path / "timeline.png"
     out = importlib.import_module(f"kvbaton.examples.{name}").main([*ARGS[name], *TINY, "--plot", str(plot)])
-    assert out["plot"] == str(plot) and plot.stat().st_size > 0  # the timeline, both modes side by side
-    kv, text = out["modes"]["kvbaton"], out["modes"]["text"]
-    for report in (kv, text):
+    assert out["plot"] == str(plot) and plot.stat().st_size > 0  # the timelines, every mode side by side
+    kv, text, cached = out["modes"]["kvbaton"], out["modes"]["text"], out["modes"]["cached"]
+    for report in (kv, text, cached):
         assert AGENTS[name] <= set(report["per_agent"])
         assert report["total_s"] > 0 and report["peak_kv_bytes"] > 0 and report["tokens_prefilled"] > 0
         for agent in AGENTS[name]:
             assert report["per_agent"][agent]["ttft_mean_s"] > 0
-    # text passing reuses nothing and prefills everything; kvbaton reuses the shared prefix
+    # text passing without a prefix cache reuses nothing and prefills everything; kvbaton reuses the shared
+    # prefix; with the prefix cache on, text passing reuses what repeats an earlier prompt's start
     assert text["tokens_reused"] == 0
     assert kv["tokens_reused"] > 0
     assert kv["tokens_prefilled"] < text["tokens_prefilled"]
+    assert cached["tokens_prefilled"] <= text["tokens_prefilled"]
     assert out["same_outputs"] is True
-    assert set(out["ratios"]) == {"total_time_text_over_kvbaton", "mean_ttft_text_over_kvbaton",
-                                  "prefilled_text_over_kvbaton"}
+    assert set(out["ratios"]) == {f"{metric}_{base}_over_kvbaton" for metric in ("total_time", "mean_ttft", "prefilled")
+                                  for base in ("text", "cached")}
     printed = capsys.readouterr().out
-    for heading in ("kvbaton (KV handles)", "text passing (baseline)", "kvbaton vs text passing", "peak KV",
-                    "TTFT mean ms", "tokens reused", "tokens prefilled", "total time s"):
+    for heading in ("kvbaton (KV handles)", "text passing, no prefix cache (baseline)",
+                    "text passing, prefix cache on (baseline)",
+                    "kvbaton vs text passing, no prefix cache and vs text passing, prefix cache on", "peak KV",
+                    "TTFT mean ms", "tokens reused", "tokens prefilled", "total time s", "text+cache / kvbaton"):
         assert heading in printed
 
 

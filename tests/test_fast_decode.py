@@ -13,7 +13,7 @@ import torch
 from conftest import dense_greedy
 from kvbaton import SamplingParams
 from kvbaton.backend import Engine
-from kvbaton.backend import fast_decode as fd
+from kvbaton.backend.compute.cpu import fast_decode as fd
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 

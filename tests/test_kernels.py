@@ -4,11 +4,17 @@ paged (non-consecutive) block tables, and bit-identical rows whether computed al
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import filelock
 import pytest
 import torch
 import torch.nn.functional as F
-from kvbaton.backend import kernels
+from kvbaton.backend.compute.cpu import kernels
 
 HEADS, KV_HEADS, D, BLOCK = 9, 3, 64, 16
 DTYPES = [torch.float32, torch.bfloat16]
@@ -295,6 +301,50 @@ def test_the_build_is_keyed_by_source_torch_install_and_cpu(monkeypatch):
     other_cpu = kernels.build_key()
     monkeypatch.setattr(kernels, "_torch_install", lambda: "2.13.0 abi=True /another/venv/torch py=3.11.7")
     assert kernels.build_key() != other_cpu  # another venv's torch: a build of its own, no ping-pong
+    other_torch = kernels.build_key()
+    monkeypatch.setattr(kernels, "_compiler", lambda: "/usr/bin/clang++ clang version 14")
+    assert kernels.build_key() != other_torch  # another compiler: likewise
+
+
+def _load_in_a_process(cache: Path, timeout_s: float, **env: str) -> subprocess.CompletedProcess[str]:
+    code = ("import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
+            "from kvbaton.backend.compute.cpu import kernels\n"
+            "print('loaded' if kernels.load() is not None else 'unavailable:', kernels.unavailable_reason())")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "KVBATON_CACHE_DIR": str(cache), **env})
+
+
+@pytest.fixture
+def built_cache(lib, tmp_path):
+    """A cache directory holding this machine's built kernels (copied: no 40-s build in the test)."""
+    key = kernels.build_key()
+    shutil.copytree(kernels.cache_dir() / "kernels" / key, tmp_path / "kernels" / key,
+                    ignore=shutil.ignore_patterns("lock", "build.flock", "build.owner"))
+    return tmp_path, tmp_path / "kernels" / key
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(built_cache):
+    cache, directory = built_cache
+    (directory / "lock").touch()  # what cpp_extension leaves when its build is killed: it waits on it forever
+    done = _load_in_a_process(cache, timeout_s=300)
+    assert done.stdout.startswith("loaded"), done.stdout + done.stderr
+    assert "left by a kernel build that was killed" in done.stderr
+    assert not (directory / "lock").exists()
+
+
+def test_a_start_waits_for_a_running_build_with_a_deadline_and_says_for_whom(built_cache):
+    cache, directory = built_cache
+    held = filelock.FileLock(directory / kernels.BUILD_LOCK)
+    held.acquire()  # another process building right now (this one, to the child)
+    try:
+        (directory / "build.owner").write_text("pid 4242")
+        done = _load_in_a_process(cache, timeout_s=120, KVBATON_KERNELS_BUILD_TIMEOUT="3")
+    finally:
+        held.release()
+    assert done.stdout.startswith("unavailable:"), done.stdout + done.stderr
+    assert "pid 4242 has held the kernel build lock" in done.stdout
+    assert "fused decode uses oneDNN" in done.stderr
+    assert _load_in_a_process(cache, timeout_s=300).stdout.startswith("loaded")  # once it is free, it loads
 
 
 @pytest.mark.parametrize(("field", "value", "reason"), [
@@ -303,7 +353,7 @@ def test_the_build_is_keyed_by_source_torch_install_and_cpu(monkeypatch):
 ])
 def test_kernels_fit_the_default_model_and_say_which_shape_does_not(monkeypatch, field, value, reason):
     from kvbaton.backend import load_model
-    from kvbaton.backend.fast_decode import kernels_fit
+    from kvbaton.backend.compute.cpu.fast_decode import kernels_fit
 
     model = load_model().model
     assert kernels_fit(model) is None

@@ -35,7 +35,7 @@ from kvbaton.embedded import EmbeddedClient
 from kvbaton.errors import HandleReleased, InvalidRequest
 from kvbaton.handle import Op
 from kvbaton.types import Result, SamplingParams
-from server_fixtures import ServerProcess, free_port
+from server_fixtures import ServerProcess, dies_with_parent, free_port
 
 GREEDY = SamplingParams(max_tokens=10)
 SUFFIX = [28, 1217, 314, 253, 3037, 47]  # a handful of ordinary token ids
@@ -210,14 +210,17 @@ def test_merge_of_handles_on_different_workers_colocates_them_first(client, clus
 
 
 def test_every_worker_keeps_tenants_prefix_caches_apart(client, cluster):
+    from kvbaton.backend.tenants import AgentRef, TenantPartition
+
     prompt = cluster.tokenize("Cluster tenancy notes. " + document(80, seed=5))
-    cluster.isolate_prefix_cache()  # what a server with several tokens does
+    cluster.partition_tenants(TenantPartition(prefix_cache=True))  # what a server with several tokens does
     try:
-        first = client.complete(prompt, GREEDY, agent="ta/")
-        again = client.complete(prompt, GREEDY, agent="ta/reader")  # routed by prefix: the same worker
-        other = client.complete(prompt, GREEDY, agent="tb/")
+        # The tenant travels to the worker with each request (an AgentRef over the control connection).
+        first = cluster.complete(prompt, GREEDY, agent=AgentRef("ta"))
+        again = cluster.complete(prompt, GREEDY, agent=AgentRef("ta", "reader"))  # routed by prefix: the same worker
+        other = cluster.complete(prompt, GREEDY, agent=AgentRef("tb"))
     finally:
-        cluster.isolate_prefix_cache(False)
+        cluster.partition_tenants(TenantPartition())
     assert again.timings.tokens_reused > 0 and other.timings.tokens_reused == 0
     assert first.token_ids == again.token_ids == other.token_ids
     client.release([r.handle for r in (first, again, other)])
@@ -286,8 +289,8 @@ def test_two_process_rendezvous_on_loopback_serves_transfers_and_survives_a_kill
         rank0 = ServerProcess(["--rank", "0", "--world-size", "2", "--device", "cpu", "--kv-budget", "128MiB"])
         rank0.start(wait=False)
     rank1 = subprocess.Popen(
-        [sys.executable, "-m", "kvbaton.cli", "serve", "--rank", "1", "--world-size", "2", "--device", "cpu",
-         "--kv-budget", "128MiB", "--log-level", "warning"],
+        dies_with_parent([sys.executable, "-m", "kvbaton.cli", "serve", "--rank", "1", "--world-size", "2",
+                          "--device", "cpu", "--kv-budget", "128MiB", "--log-level", "warning"]),
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
     )
     try:

@@ -1,4 +1,4 @@
-"""The fused CPU prefill (backend/prefill.py): installed on the engine's model only, the same logits as the
+"""The fused CPU prefill (backend/compute/cpu/prefill.py): installed on the engine's model only, the same logits as the
 model's own modules and as plain transformers (first chunk and later chunks), off when asked or when a
 patched layer would disagree with this transformers version's modules."""
 
@@ -8,8 +8,9 @@ import contextlib
 
 import pytest
 import torch
-from kvbaton.backend import Engine, prefill
-from kvbaton.backend.loader import _load, resolve_model
+from kvbaton.backend import Engine
+from kvbaton.backend.compute.cpu import prefill
+from kvbaton.backend.compute.loader import _load, resolve_model
 
 
 @torch.inference_mode()
@@ -73,7 +74,7 @@ def test_the_attention_kernel_runs_for_prefill_chunks(engine, corpus_tokens, mon
 def test_tokens_recomputed_at_scattered_positions_use_the_kernel_and_match_sdpa(engine, corpus_tokens, monkeypatch):
     """Selective recomputation (a blended segment): tokens at ascending positions among cached ones, each
     seeing the keys up to its own position, through kvbaton's kernel instead of SDPA with a dense mask."""
-    from kvbaton.backend.model_runner import Chunk
+    from kvbaton.backend.compute.runner import Chunk
 
     calls = []
     original = prefill.attention

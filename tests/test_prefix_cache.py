@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import dense_greedy
 from kvbaton import SamplingParams, StepGraph
 from kvbaton.backend import Engine
-from kvbaton.backend.block_pool import BlockPool, PoolShape
-from kvbaton.backend.eviction import LRU, StepsToExecution
-from kvbaton.backend.radix import NodeState, RadixCache
+from kvbaton.backend.cache.block_pool import BlockPool, PoolShape
+from kvbaton.backend.cache.eviction import LRU, StepsToExecution
+from kvbaton.backend.cache.radix import NodeState, RadixCache
 
 GREEDY_8 = SamplingParams(max_tokens=8, ignore_eos=True)
 BS = 4
@@ -37,6 +38,7 @@ def test_every_request_reuses_the_longest_cached_prefix(engine, reference, corpu
     assert second.token_ids == dense_greedy(reference, shared + corpus_tokens[400:420], 8)[0]
 
 
+@pytest.mark.unit
 def test_ste_eviction_keeps_the_soonest_agents_and_shared_preamble():
     ste: dict[str, float] = {}
     pool, cache = tiny_cache(StepsToExecution(ste))
@@ -56,6 +58,7 @@ def test_ste_eviction_keeps_the_soonest_agents_and_shared_preamble():
     assert on_device(cache, preamble) == 2  # shared: min(STE) = 1 protects it
 
 
+@pytest.mark.unit
 def test_lru_eviction_drops_the_least_recently_used():
     pool, cache = tiny_cache(LRU())
     old, new = list(range(8)), list(range(50, 58))
@@ -65,6 +68,7 @@ def test_lru_eviction_drops_the_least_recently_used():
     assert (on_device(cache, old), on_device(cache, new)) == (0, 2)
 
 
+@pytest.mark.unit
 def test_blocks_in_use_are_never_evicted():
     pool, cache = tiny_cache(LRU(), num_blocks=4)
     tokens = list(range(8))

@@ -46,7 +46,8 @@ def test_both_clients_offer_every_operator_with_the_contracts_parameters(client:
 
 
 def test_the_http_operations_take_the_contracts_signatures() -> None:
-    from kvbaton.http import OPERATIONS, AsyncHttpOps, HttpOps
+    from kvbaton.http import AsyncHttpOps, HttpOps
+    from kvbaton.wire import OPERATIONS
 
     assert set(OPERATIONS) == set(kvbaton.ops.OPERATORS)
     for ops in (HttpOps, AsyncHttpOps):

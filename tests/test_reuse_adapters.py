@@ -10,9 +10,10 @@ the marking checks use ``rotate`` (never falls back); ``auto`` is checked to hav
 from __future__ import annotations
 
 import asyncio
+import operator
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import pytest
@@ -24,15 +25,22 @@ from autogen_agentchat.agents import AssistantAgent
 from autogen_core.models import SystemMessage as AgSystem
 from autogen_core.models import UserMessage
 from autogen_ext.models.replay import ReplayChatCompletionClient
+from conftest import dense_greedy
 from kvbaton.adapters import core
-from kvbaton.adapters._openai_dropin import CallTag, _after, _target
 from kvbaton.adapters.autogen import KvbatonChatCompletionClient, KvbatonCreateResult, instrument
-from kvbaton.adapters.langgraph import ACTIVE_RUN, KvbatonChatModel
+from kvbaton.adapters.langgraph import KvbatonChatModel
+from kvbaton.adapters.langgraph.chat_model import ACTIVE_RUN
+from kvbaton.adapters.langgraph.openai_dropin import CallTag, _after, _target
 from kvbaton.bench.corpus import document
 from kvbaton.embedded import EmbeddedClient
 from langchain_core.messages import HumanMessage, SystemMessage
+from typing_extensions import TypedDict
 
 MAX_TOKENS = 4
+
+
+class MapReduce(TypedDict):
+    done: Annotated[list[int], operator.add]  # the turns done (the Send branches' writes are added up)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +104,49 @@ def test_langchain_model_reuses_auto_by_default_and_marks_its_replies(kv):
     report = chunks[-1].response_metadata["kvbaton"]
     check(report)
     assert not report["exact"]
+
+
+def test_map_reduce_reducer_answers_as_dense_prefill_or_recomputes(kv, reference):
+    """Issue 40's repro: a LangGraph ``Send`` fan-out of 4 summaries of the parts of one document into a
+    reducer over the whole document, on ``KvbatonChatModel`` (``reuse="auto"``). The reducer's document is
+    stitched from 4 spans read behind other prompts; its first token is dense prefill's, or the confidence
+    gate recomputed its prompt densely (and says so)."""
+    from kvbaton.bench.workloads import mapreduce
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.types import Send
+
+    wl = mapreduce(seed=1, doc_tokens=480, parts=4)
+    summarizer = KvbatonChatModel(client=kv, max_tokens=8, agent="mr-summarizer")
+    reducer = KvbatonChatModel(client=kv, max_tokens=1, agent="mr-reducer")
+    outputs: dict[int, str] = {}
+    last = len(wl.turns) - 1
+
+    def summarize(payload: dict[str, int]) -> dict[str, list[int]]:
+        outputs[payload["index"]] = str(summarizer.invoke(wl.messages(payload["index"], [])).content)
+        return {"done": [payload["index"]]}
+
+    def reduce(state: MapReduce) -> dict[str, list[int]]:
+        reply = reducer.invoke(wl.messages(last, [outputs[i] for i in range(last)]))
+        outputs[last], report[0] = str(reply.content), reply.response_metadata["kvbaton"]
+        return {"done": [last]}
+
+    report: list[dict[str, Any]] = [{}]
+    graph = StateGraph(MapReduce)
+    graph.add_node("summarize", summarize)
+    graph.add_node("reduce", reduce)
+    graph.add_conditional_edges(START, lambda state: [Send("summarize", {"index": i}) for i in range(last)],
+                                ["summarize"])
+    graph.add_edge("summarize", "reduce")
+    graph.add_edge("reduce", END)
+    graph.compile().invoke({"done": []})
+
+    placed = report[0]["segments"]
+    assert len(placed) >= 3  # the document's parts, each from the summarizer turn that read it
+    prompt = kv.chat_tokens(wl.messages(last, [outputs[i] for i in range(last)]))
+    (first,), _ = dense_greedy(reference, prompt, 1)
+    recomputed = all(s["outcome"] == "recomputed" and s["reason"].startswith("low confidence") for s in placed)
+    assert outputs[last] == kv.detokenize([first]) or recomputed
+    assert report[0]["exact"] == recomputed
 
 
 # -- AutoGen ----------------------------------------------------------------------------------------------
@@ -196,4 +247,7 @@ def test_openai_dropin_sends_the_policy_and_reads_the_mark():
     tag = answer({"content-type": "application/json", "x-kvbaton-handle": "h1", "x-kvbaton-approximate": "true"})
     assert tag.handle == "h1" and tag.exact is False
     assert answer({"content-type": "application/json", "x-kvbaton-handle": "h2"}).exact is True
-    assert answer({"content-type": "text/event-stream"}).exact is None  # a stream: not known from its headers
+    # a stream: the server computes its prompt before it answers, so its headers say it too
+    assert answer({"content-type": "text/event-stream", "x-kvbaton-approximate": "true"}).exact is False
+    assert answer({"content-type": "text/event-stream"}).exact is True
+    assert CallTag("critic").exact is None  # no answer yet

@@ -186,7 +186,7 @@ def test_openai_stream_and_completions_are_marked(servers, tenants):
             "stream": True, "stream_options": {"include_usage": True}, "kvbaton": {"reuse": "rotate"}}
     with t.http.stream("POST", "/v1/chat/completions", json=body, headers={"X-Kvbaton-Agent": "st-auditor"}) as r:
         assert r.status_code == 200
-        assert APPROXIMATE not in r.headers  # headers go out before the answer is known
+        assert r.headers[APPROXIMATE] == "true"  # the prompt is computed before the stream answers
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     marked = [e["kvbaton"] for e in events if "kvbaton" in e]
     assert marked and all(not m["exact"] and m["tokens_approximate"] > 0 for m in marked)
@@ -204,6 +204,74 @@ def test_openai_stream_and_completions_are_marked(servers, tenants):
 
     metrics = t.http.get("/metrics").text
     assert 'kvbaton_prompt_tokens_total{endpoint="/v1/chat/completions",source="approximate"}' in metrics
+
+
+def test_streamed_chat_openai_replies_are_marked_on_every_surface(servers, tenants, monkeypatch):
+    """Issue 40: a streamed reply is marked as a whole one is: the response header, the stream's last chunk,
+    and LangChain's ``response_metadata`` through the ChatOpenAI drop-in (``wrap(app)``, mode 2)."""
+    openai = pytest.importorskip("openai")
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from kvbaton.adapters.langgraph import wrap
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langgraph_apps import chain as graph_chain
+    from typing_extensions import TypedDict
+
+    proc = servers["server"]
+    t = open_tenant(tenants, proc)
+    t.openai(chat("You are the reader. Summarize the notes."), agent="sm-reader")
+    client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="x", messages=chat("You are the streaming critic."), max_tokens=3, stream=True,
+        extra_headers={"X-Kvbaton-Agent": "sm-critic", "X-Kvbaton-Reuse": "rotate"})
+    assert raw.headers[APPROXIMATE] == "true"
+    chunks = list(raw.parse())
+    marked = [c.model_extra["kvbaton"] for c in chunks if (c.model_extra or {}).get("kvbaton")]
+    assert len(marked) == 1 and not marked[0]["exact"] and marked[0]["tokens_approximate"] > 0
+    t.made.extend(h for h in marked[0]["handles"] if h)
+
+    class State(TypedDict):
+        messages: list[Any]
+
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    llm = langchain_openai.ChatOpenAI(model="x", base_url=f"{proc.url}/v1", api_key="unused", streaming=True,
+                                      max_tokens=3, temperature=0, max_retries=0, timeout=120)
+
+    def node(role: str) -> Any:
+        def fn(state: State) -> dict[str, Any]:
+            reply = llm.invoke([SystemMessage(f"You are the streaming {role}. Be brief."), HumanMessage(DOC)])
+            return {"messages": [*state["messages"], reply]}
+
+        return fn
+
+    app = wrap(graph_chain(State, {"reader": node("reader"), "reviewer": node("reviewer")}).compile(),
+               base_url=proc.url, reuse="rotate")
+    replies = [m for m in app.invoke({"messages": []})["messages"] if isinstance(m, AIMessage)]
+    # the run's first agent reads densely (its session holds nothing yet); the second places its document
+    assert [m.response_metadata["kvbaton"]["exact"] for m in replies] == [True, False]
+
+
+def test_sessions_keep_approximate_reuse_to_their_own_run(servers, tenants):
+    """Issue 40: a request that names its session (a workflow run: X-Kvbaton-Session, kvbaton.session, the
+    OpenAI user) places only spans its own session computed; a fresh run's first agent reads densely."""
+    t = open_tenant(tenants, servers["server"])
+
+    def ask(system: str, agent: str, session: str) -> dict[str, Any]:
+        r = t.http.post("/v1/chat/completions", headers={"X-Kvbaton-Agent": agent, "X-Kvbaton-Session": session},
+                        json={"model": "x", "messages": chat(system), "max_tokens": 2, "kvbaton": {"reuse": "rotate"}})
+        assert r.status_code == 200, r.text
+        ext = r.json()["kvbaton"]
+        t.made.extend(h for h in ext["handles"] if h)
+        return ext
+
+    reader = ask("You are the session reader.", "ss-reader", "run-a")
+    fresh = ask("You are the session reviewer.", "ss-reviewer", "run-b")
+    assert fresh["segments"] == [] and fresh["exact"]  # another run's document shapes nothing
+    same = ask("You are the session critic.", "ss-critic", "run-a")
+    assert same["segments"] and same["segments"][0]["source"] == reader["handle"] and not same["exact"]
+    native = t.http.post("/v1/kv/generate", headers={"X-Kvbaton-Session": "run-c"},
+                         json={"messages": chat("You are the session editor."), "max_tokens": 2, "reuse": "rotate"})
+    assert native.status_code == 200 and native.json()["segments"] == []
+    t.made.append(native.json()["handle"]["id"])
 
 
 # -- the server's flags and tenants ---------------------------------------------------------------------
@@ -244,10 +312,13 @@ def test_tenants_never_place_each_others_spans(servers, tenants):
 # -- in process ---------------------------------------------------------------------------------------------
 
 
-def test_multi_tenant_engine_without_span_scope_serves_everything_exact(engine):
+def test_multi_tenant_engine_without_span_partitions_serves_everything_exact(engine, monkeypatch):
+    from kvbaton.backend.engine import Engine
     from kvbaton.backend.server.state import ServerState
+    from kvbaton.backend.tenants import TenantPartition
 
-    del engine.span_scope  # as a Cluster: each worker keeps its own span index
+    # As a Cluster: an engine that cannot keep tenants' spans apart.
+    monkeypatch.setattr(Engine, "partitionable", property(lambda self: TenantPartition(prefix_cache=True)))
     state = ServerState(engine, tenants={"a": "ta", "b": "tb"}, max_tokens=None, default_max_tokens=8, max_n=1,
                         max_agents=4, threads=1, fallback_max_tokens=64, reuse="auto")
     assert not state.cross_prefix and state.reuse("rotate") == "exact" and state.reuse(None) == "exact"
@@ -257,8 +328,9 @@ def test_multi_tenant_engine_without_span_scope_serves_everything_exact(engine):
 
 
 @pytest.mark.unit
-def test_cli_flags_and_span_scopes():
+def test_cli_flags_and_span_partitions():
     from kvbaton.backend.server.tenancy import AgentNames, tenant_map
+    from kvbaton.backend.tenants import AgentRef, TenantPartition
     from kvbaton.cli import build_parser
     from kvbaton.errors import InvalidRequest
 
@@ -270,31 +342,39 @@ def test_cli_flags_and_span_scopes():
         build_parser().parse_args(["serve", "--reuse", "sometimes"])
 
     names = AgentNames(multi_tenant=True)
-    assert names.span_scope(names.engine_name("t-1", "a/b")) == "t-1"
-    assert names.span_scope(None) is None and names.span_scope("solo") is None
-    # Agentless requests are their tenant's too: the engine can scope them; the tenant sees no agent.
-    assert names.engine_name("t-1", None) == "t-1/" and names.span_scope("t-1/") == "t-1"
+    per_tenant = TenantPartition(spans=True)
+    assert names.agent("t-1", "a/b") == AgentRef("t-1", "a/b") and names.agent("t-1", "a/b").label == "t-1/a/b"
+    assert per_tenant.span_partition(names.agent("t-1", "a/b").tenant) == "t-1"
+    # A request without a tenant (no agent, or a plain name) places no spans when they are per tenant.
+    assert per_tenant.span_partition(AgentRef.of(None).tenant) is None
+    assert per_tenant.span_partition(AgentRef.of("solo").tenant) is None
+    assert TenantPartition().span_partition(None) == ""  # shared: every request, with a tenant or not
+    # Agentless requests are their tenant's too: the engine can partition them; the tenant sees no agent.
+    assert names.agent("t-1", None) == AgentRef("t-1") and AgentRef("t-1").label == "t-1/"
     assert names.own_name("t-1", "t-1/") == "" and names.own_name("t-2", "t-1/") is None
-    assert AgentNames(multi_tenant=False).engine_name("default", None) is None
+    assert names.own_name("t-1", "t-1/a/b") == "a/b" and AgentRef.parse("t-1/a/b") == AgentRef("t-1", "a/b")
+    assert AgentNames(multi_tenant=False).agent("default", None) is None
     with pytest.raises(InvalidRequest, match="'/'"):
         tenant_map({"token": "team/a"})
 
 
-def test_audit_stats_show_a_tenant_only_its_own_agents(engine):
-    from kvbaton.backend.audit import FidelityAudit
+def test_audit_stats_show_a_tenant_only_its_own_agents():
     from kvbaton.backend.server.state import ServerState
 
-    engine.audit = FidelityAudit(engine._dense_argmax, fraction=1.0)
-    state = ServerState(engine, tenants={"a": "ta", "b": "tb"}, max_tokens=None, default_max_tokens=8, max_n=1,
-                        max_agents=4, threads=1, fallback_max_tokens=64)
-    doc = document(120, seed=31)
-    sampling = kvbaton.SamplingParams(max_tokens=2)
-    messages = [{"role": "user", "content": doc + "\n\nSummary?"}]
-    engine.generate([{"role": "system", "content": "You read."}, *messages], sampling=sampling,
-                    agent=state.agent("ta", "reader"))
-    result = engine.generate([{"role": "system", "content": "You review."}, *messages], sampling=sampling,
-                             agent=state.agent("ta", "reviewer"), reuse="rotate")
-    assert not result.exact
-    engine.audit.flush()
-    assert set(state.stats("ta").audit.agents) == {"reviewer"}  # by its own name
-    assert state.stats("tb").audit.agents == {} and state.stats("tb").audit.checked == 1  # totals are the engine's
+    engine = kvbaton.backend.Engine(kv_budget="384MiB", audit_fraction=1.0)  # every approximate answer checked
+    try:
+        state = ServerState(engine, tenants={"a": "ta", "b": "tb"}, max_tokens=None, default_max_tokens=8, max_n=1,
+                            max_agents=4, threads=1, fallback_max_tokens=64)
+        doc = document(120, seed=31)
+        sampling = kvbaton.SamplingParams(max_tokens=2)
+        messages = [{"role": "user", "content": doc + "\n\nSummary?"}]
+        engine.generate([{"role": "system", "content": "You read."}, *messages], sampling=sampling,
+                        agent=state.agent("ta", "reader"))
+        result = engine.generate([{"role": "system", "content": "You review."}, *messages], sampling=sampling,
+                                 agent=state.agent("ta", "reviewer"), reuse="rotate")
+        assert not result.exact
+        engine.audit.flush()
+        assert set(state.stats("ta").audit.agents) == {"reviewer"}  # by its own name
+        assert state.stats("tb").audit.agents == {} and state.stats("tb").audit.checked == 1  # totals: the engine's
+    finally:
+        engine.close()

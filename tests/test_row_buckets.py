@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from kvbaton.backend import Engine, prefill, row_buckets
+from kvbaton.backend import Engine
+from kvbaton.backend.compute.cpu import prefill, row_buckets
 
 
 @pytest.mark.unit

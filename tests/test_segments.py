@@ -6,8 +6,8 @@ import kvbaton
 import pytest
 import torch
 from conftest import dense_greedy
-from kvbaton.backend.correction import AnchorPool, CorrectionConfig
-from kvbaton.backend.rotary import check_shiftable
+from kvbaton.backend.reuse.correction import AnchorPool, CorrectionConfig
+from kvbaton.backend.reuse.rotary import check_shiftable
 from kvbaton.bench.corpus import document
 from kvbaton.errors import IncompatibleHandle, InvalidRequest, MergeConflict, UnsupportedPositions
 
@@ -220,10 +220,10 @@ def test_compose_over_http(server):
 
 def test_selective_recomputation_rides_along_with_the_next_forward(engine):
     """A blended segment's recomputed tokens are computed in the state's next forward, together with the
-    tokens after them (``Lifecycle.recompute_at``), not in a forward of their own: the K/V and the
+    tokens after them (``Forward.recompute_at``, the lifecycle's), not in a forward of their own: the K/V and the
     logits are the same either way (each query sees the keys up to its own position; every layer writes
     its new K/V before reading), one pass over the weights fewer."""
-    from kvbaton.backend.model_runner import Chunk
+    from kvbaton.backend.compute.runner import Chunk
     from kvbaton.handle import LineageStep, Op
 
     sys_a, sys_b, doc = system(engine, SYSTEM_A), system(engine, SYSTEM_B), shared_doc(engine, 4)
@@ -241,7 +241,7 @@ def test_selective_recomputation_rides_along_with_the_next_forward(engine):
             engine.kv.reserve(state, len(tokens))
             engine.requests.compute_until(state, offset)
             engine.kv.copy_rows(src_state, len(sys_a), state, offset, len(doc),
-                                engine.composer.shifter.rotation(len(sys_a), offset, len(doc)))
+                                engine.placer.shifter.rotation(len(sys_a), offset, len(doc)))
             if deferred:
                 engine.requests.recompute_at(state, picked)
                 assert state.stale == picked
@@ -267,7 +267,7 @@ def test_moving_rows_layer_by_layer_equals_reading_shifting_and_writing(engine):
     composed = engine.compose(sys_b, [source.segment(len(sys_a), len(sys_a) + len(doc))], mode="rotate")
     k_src, v_src = engine.kv.read_rows(src_state, len(sys_a), len(doc))
     k, v = rows(engine, composed.handle, len(sys_b), len(doc))
-    assert torch.equal(k, engine.composer.shifter.shift(k_src, len(sys_a), len(sys_b)))
+    assert torch.equal(k, engine.placer.shifter.shift(k_src, len(sys_a), len(sys_b)))
     assert torch.equal(v, v_src)
     engine.release([composed.handle, source])
 
@@ -292,9 +292,10 @@ def test_placing_every_span_at_once_equals_placing_them_one_by_one(engine):
         try:
             engine.kv.reserve(state, len(tokens))
             if at_once:
-                reports = engine.composer.place_all(state, spans, "blend")
+                reports = engine.placer.place_all(engine.requests, state, spans, "blend")
             else:
-                reports = [engine.composer.place(state, i, *span, mode="blend") for i, span in enumerate(spans)]
+                reports = [engine.placer.place(engine.requests, state, i, *span, mode="blend")
+                           for i, span in enumerate(spans)]
             logits = engine.requests.compute(state)
             assert state.exact_len == len(sys_b)
             out.append(([(r.outcome, r.offset, r.tokens_reused, r.exact) for r in reports], logits,

@@ -285,8 +285,8 @@ def test_closing_a_stream_early_frees_the_request(server):
 
 
 def test_sampling_fields_match_the_sdk():
-    from kvbaton.backend.protocol import Sampling
     from kvbaton.types import SamplingParams
+    from kvbaton.wire import Sampling
 
     assert set(Sampling.model_fields) - {"stream"} == set(SamplingParams.model_fields)
     assert Sampling().sampling_fields() == SamplingParams().model_dump()

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -161,11 +162,45 @@ def test_health_and_requests_say_unavailable_when_every_worker_is_dead(extra_ser
             client.materialize("still nobody?")
         with pytest.raises(ServerUnavailable):
             client.health()
+    # Clients retry the transient 503 (it says Retry-After), within their bounds: the openai client
+    # every request, kvbaton's own only the idempotent operations (reads, releases...), never one
+    # that makes handles.
+    openai = pytest.importorskip("openai")
+    sent = Counting()
+    with openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=2,
+                       http_client=httpx.Client(transport=sent)) as oa, pytest.raises(openai.InternalServerError):
+        oa.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert sent.paths == ["/v1/chat/completions"] * 3
+    sent = Counting()
+    with kvbaton.http.HttpClient(cluster.url, transport=sent, max_retries=2, max_retry_wait=10) as client:
+        with pytest.raises(ServerUnavailable):
+            client.stats()
+        assert sent.paths == ["/v1/kv/stats"] * 3
+        with pytest.raises(ServerUnavailable):
+            client.materialize("not retried: it makes a handle")
+        assert sent.paths[3:] == ["/v1/kv/materialize"]
+    sent = Counting()
+    with kvbaton.http.HttpClient(cluster.url, transport=sent, max_retries=5, max_retry_wait=1.5) as client:
+        with pytest.raises(ServerUnavailable):
+            client.stats()
+        assert sent.paths == ["/v1/kv/stats"] * 2  # Retry-After 1 s: a second wait would pass 1.5 s in all
+
+
+class Counting(httpx.HTTPTransport):
+    """An httpx transport that remembers the path of every request it sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        return super().handle_request(request)
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("module", "name"), [("kvbaton.backend.engine", "Engine"),
-                                              ("kvbaton.backend.cluster", "Cluster"),
+                                              ("kvbaton.backend.cluster.coordinator", "Cluster"),
                                               ("kvbaton.backend.sglang_plugin.engine", "SglangEngine")])
 def test_every_engine_says_whether_it_can_serve(module, name):
     import importlib
@@ -277,6 +312,22 @@ def test_live_handle_quota_per_tenant(tight):
         release_all(tight, TOKEN_A)
 
 
+def test_a_quota_answer_tells_openai_clients_not_to_retry(tight):
+    openai = pytest.importorskip("openai")
+    with kvbaton.connect(tight.url, token=TOKEN_A) as a:
+        release_all(tight, TOKEN_A)
+        h = a.materialize("Hi")
+        a.fork(h, 16)
+        a.fork(h, 16)  # 33 live of 40: a chat request for 8 choices would pass the quota
+        sent = Counting()
+        with openai.OpenAI(base_url=f"{tight.url}/v1", api_key=TOKEN_A, max_retries=3,
+                           http_client=httpx.Client(transport=sent)) as oa, pytest.raises(openai.RateLimitError) as err:
+            oa.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], n=8)
+        assert err.value.code == "quota_exceeded" and err.value.response.headers["x-should-retry"] == "false"
+        assert sent.paths == ["/v1/chat/completions"]  # the client did not retry what cannot succeed
+        release_all(tight, TOKEN_A)
+
+
 def test_kv_bytes_quota_per_tenant(tight):
     with kvbaton.connect(tight.url, token=TOKEN_A) as a:
         release_all(tight, TOKEN_A)
@@ -363,6 +414,40 @@ def test_a_full_pool_never_evicts_another_tenants_retained_handles(tight):
         assert b.post("/v1/kv/release_all").json()["released"] >= 1
 
 
+def test_sigterm_ends_active_streams_cleanly() -> None:
+    """A server told to stop while streams are generating ends them at their next token, in-band
+    (``server_unavailable``), and exits 0 with no traceback in its log (uvicorn would otherwise cancel
+    each stream after its 5 s grace period, logging a traceback for each)."""
+    proc = ServerProcess(["--kv-budget", "64MiB", "--log-level", "info"]).start()
+    streams = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a long story."}], "n": 2}),
+               ("/v1/completions", {"prompt": "Once upon a time"}), ("/v1/kv/complete", {"prompt": "One, two,"})]
+    started = [threading.Event() for _ in streams]
+    errors: list[dict] = []
+
+    def stream(k: int, path: str, body: dict) -> None:
+        with proc.http() as http, http.stream("POST", path, json={**body, "max_tokens": 200, "ignore_eos": True,
+                                                                   "stream": True}) as r:
+            for line in r.iter_lines():
+                started[k].set()
+                if line.startswith("data: {") and '"error"' in line:
+                    errors.append(json.loads(line.removeprefix("data: "))["error"])
+
+    threads = [threading.Thread(target=stream, args=(k, *s)) for k, s in enumerate(streams)]
+    try:
+        for t in threads:
+            t.start()
+        until(lambda: all(e.is_set() for e in started), "every stream's first event")
+        proc.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(WAIT_S)
+        assert proc.proc.wait(WAIT_S) == 0, proc.output()
+        assert len(errors) == 3 and {e["code"] for e in errors} == {"server_unavailable"}, errors
+        assert "Traceback" not in proc.log.read_text(errors="replace"), proc.output()
+    finally:
+        proc.stop()
+        proc.log.unlink(missing_ok=True)
+
+
 def test_sigterm_is_a_clean_exit_that_removes_the_tier_files(tmp_path: Path) -> None:
     """`kill <pid>` (what systemd and docker send) closes the engine: exit 0, no tier files left."""
     tier_dir = tmp_path / "tier"
@@ -377,3 +462,42 @@ def test_sigterm_is_a_clean_exit_that_removes_the_tier_files(tmp_path: Path) -> 
     finally:
         proc.stop()
         proc.log.unlink(missing_ok=True)
+
+
+def test_an_unexpected_error_keeps_the_connection_and_is_logged_with_the_status_sent(caplog, monkeypatch) -> None:
+    """A server bug is a 500, and a failure while the engine cannot serve a 503 with Retry-After: each
+    answered with the error schema on the same keep-alive connection, and the access log says the
+    status the client got (the real app and model under uvicorn, with an injected fault)."""
+    import uvicorn
+    from kvbaton.backend import Engine
+    from kvbaton.backend.server import create_app
+    from server_fixtures import free_port
+
+    engine = Engine(kv_budget="16MiB")
+    outage: list[str] = []
+    monkeypatch.setattr(engine, "tokenize", lambda text: (_ for _ in ()).throw(RuntimeError("an injected bug")))
+    monkeypatch.setattr(engine, "healthy", lambda: (not outage, outage[0] if outage else ""))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        until(lambda: server.started, "uvicorn to start")
+        caplog.set_level("INFO", logger="kvbaton.access")
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.config.port}", timeout=WAIT_S) as http:
+            bug = http.post("/v1/kv/tokenize", json={"text": "hi"})
+            outage.append("an injected outage")
+            down = http.post("/v1/kv/tokenize", json={"text": "hi"})
+            outage.clear()
+            fine = http.post("/v1/kv/detokenize", json={"token_ids": [1]})
+            ends = {r.extensions["network_stream"].get_extra_info("client_addr") for r in (bug, down, fine)}
+        assert len(ends) == 1  # one connection: neither failure dropped it
+        assert error_of(bug)[:2] == (500, "internal_error") and "RuntimeError" in error_of(bug)[2]
+        assert error_of(down)[:2] == (503, "server_unavailable") and down.headers["retry-after"]
+        assert fine.status_code == 200
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvbaton.access"]
+        assert any(line.startswith("POST /v1/kv/tokenize 500") for line in lines), lines
+        assert any(line.startswith("POST /v1/kv/tokenize 503") for line in lines), lines
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        engine.close()

@@ -77,3 +77,44 @@ def test_autogen_openai_chat_completion_client(server):
             await client.close()
 
     asyncio.run(main())
+
+
+def test_wrapped_chat_openai_app_reuses_across_agents_by_default(server):
+    """``wrap(app)`` is the opt-in: an unchanged ChatOpenAI app, each agent behind its own system prompt,
+    reuses the notes another agent read (the adapter's policy, ``auto``, with no argument to ``wrap``
+    nor ``--reuse`` on the server), and an answer served approximately says so."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    pytest.importorskip("langgraph")
+    from typing import Annotated, Any, TypedDict
+
+    from kvbaton.adapters.langgraph import KVBATON_KEY, wrap
+    from kvbaton.bench.corpus import document
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langgraph.graph import add_messages
+    from langgraph_apps import chain
+
+    State = TypedDict("State", {"messages": Annotated[list, add_messages]})  # evaluated here: its hints resolve
+
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="unused", max_tokens=4,
+                                      temperature=0, max_retries=0, timeout=120)
+
+    def agent(system: str, ask: str) -> Any:
+        def node(state: Any) -> dict[str, Any]:
+            question = HumanMessage(ask)
+            return {"messages": [question, llm.invoke([SystemMessage(system), *state["messages"], question])]}
+
+        return node
+
+    app = wrap(chain(State, {"reader": agent("You are the reader. Summarize the notes.", "Summarize."),
+                             "reviewer": agent("You are a strict reviewer of risks.", "Risk?")}).compile())
+    assert app.reuse == "auto"
+    with server.http() as http:
+        before = http.get("/v1/kv/stats").json()["tokens_approximate"]
+        out = app.invoke({"messages": [HumanMessage(f"Notes:\n{document(160, seed=21)}")]})
+        after = http.get("/v1/kv/stats").json()["tokens_approximate"]
+    reader, reviewer = [m for m in out["messages"] if isinstance(m, AIMessage)]
+    assert reader.response_metadata[KVBATON_KEY]["exact"]
+    # the reviewer's prompt: its own system prompt, then the notes the reader's handle holds
+    assert after - before > 0
+    assert reviewer.response_metadata[KVBATON_KEY]["exact"] is False
+    app.release()

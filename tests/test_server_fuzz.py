@@ -26,6 +26,7 @@ NATIVE = [
     "POST /v1/kv/detokenize",
     "POST /v1/kv/chat_tokens",
     "POST /v1/kv/agents",
+    "DELETE /v1/kv/agents",
     "POST /v1/kv/hints",
     "POST /v1/kv/compose",
     "POST /v1/kv/merge",

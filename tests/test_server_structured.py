@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Literal
 
 import pytest
 from kvbaton import InvalidRequest, connect
+from typing_extensions import TypedDict
 
 MODEL = "smollm2-135m-instruct"
 WEATHER = {
@@ -73,9 +75,10 @@ def test_required_tool_choice_gives_a_tool_call(oa, choice):
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     chunks = list(oa.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, tools=TOOLS,
                                              tool_choice=choice, stream=True))
-    [streamed] = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
-    assert (streamed.index, streamed.function.name, streamed.function.arguments) == (
-        0, "get_weather", call.function.arguments)
+    streamed = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert {tc.index for tc in streamed} == {0} and [tc.function.name for tc in streamed if tc.function.name] == [
+        "get_weather"]
+    assert "".join(tc.function.arguments or "" for tc in streamed) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -118,6 +121,28 @@ def test_langchain_structured_output_and_bind_tools(server):
 
     answer = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
     assert [(c["name"], c["args"]) for c in answer.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+class Router(TypedDict):
+    """Worker to route to next. If no workers needed, route to FINISH."""
+
+    next: Literal["researcher", "coder", "FINISH"]
+
+
+def test_langchain_default_structured_output_of_a_typed_dict_stops(server):
+    """The LangGraph supervisor tutorial's router, as written: ``with_structured_output`` of a TypedDict
+    sends its schema without ``additionalProperties`` (and ``strict: false``); compiled strictly, the
+    answer ends with ``stop`` and parses, instead of growing keys until ``max_tokens``."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="unused", max_tokens=60,
+                                      temperature=0, max_retries=0)
+    system = ("You are a supervisor tasked with managing a conversation between the following workers: "
+              "researcher, coder. Given the following user request, respond with the worker to act next. When "
+              "finished, respond with FINISH.")
+    out = llm.with_structured_output(Router, include_raw=True).invoke(
+        [("system", system), ("human", "Find the population of Paris, then plot it.")])
+    assert out["parsing_error"] is None and set(out["parsed"]) == {"next"}
+    assert out["raw"].response_metadata["finish_reason"] == "stop"
 
 
 def test_autogen_agent_calls_its_tool(server):

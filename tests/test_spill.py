@@ -1,5 +1,6 @@
 """Idle live handles spill instead of exhausting the pool: their blocks go to the slow tier (or are
-dropped) in the eviction policy's order, and their next use is token-identical to dense prefill."""
+dropped) in the eviction policy's order, and their next use is token-identical to dense prefill.
+Approximate handles spill too: their approximate K/V are dropped and rebuilt densely (exact) on next use."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from conftest import dense_greedy
 from kvbaton import SamplingParams
 from kvbaton.backend import Engine
+from kvbaton.bench.corpus import document
 from kvbaton.errors import PoolExhausted
 
 GREEDY_4 = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -101,3 +103,33 @@ def test_a_burst_larger_than_the_pool_queues_instead_of_failing(reference, corpu
         assert engine.stats().handles_live == 0
     finally:
         engine.close()
+
+
+def test_approximate_handles_spill_and_come_back_exact(reference, corpus_tokens):
+    """An approximate handle (another agent's document re-aligned behind its own system prompt) held by an
+    idle app must not make an unrelated request fail: it gives up its blocks like any idle handle, and its
+    next use rebuilds it densely from its tokens, so that answer is the dense one, marked exact."""
+    engine = Engine(kv_budget="120 blocks", prefetch=False)
+    doc = document(140, seed=11)
+    reader = engine.generate([{"role": "system", "content": "You are the reader. Summarize the notes."},
+                              {"role": "user", "content": f"{doc}\n\nSummarize."}], sampling=GREEDY_4, agent="reader")
+    review = engine.generate([{"role": "system", "content": "You are a strict reviewer of risks."},
+                              {"role": "user", "content": f"{doc}\n\nRisk?"}], sampling=GREEDY_4, agent="reviewer",
+                             reuse="rotate")
+    assert not review.exact and not review.handle.exact
+    engine.release(reader.handle)
+    engine.flush_cache()  # the approximate handle is what holds the pool now
+    unrelated = corpus_tokens[: (engine.pool.num_free + 4) * 16 - 8]
+    result = engine.complete(unrelated, GREEDY_4)  # was PoolExhausted: approximate handles never spilled
+    assert engine.kv.spiller.spilled == {review.handle.id}
+    assert result.token_ids == dense_greedy(reference, unrelated, 4)[0]
+    engine.release(result.handle)
+
+    tokens = review.handle.token_ids()
+    again = engine.resume(review.handle, SUFFIX, GREEDY_4)
+    assert again.exact and again.timings.tokens_approximate == 0
+    assert again.token_ids == dense_greedy(reference, tokens + SUFFIX, 4)[0]
+    assert engine.describe(review.handle).exact  # rebuilt densely from its lineage: exact from now on
+    engine.release(again.handle)
+    assert_pool_drains(engine, [review.handle])
+    engine.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvbaton import SamplingParams
-from kvbaton.backend.stats import MAX_AGENTS, TTFT_WINDOW, AgentLatencies
+from kvbaton.backend.runtime.counters import MAX_AGENTS, TTFT_WINDOW, AgentLatencies
 
 
 @pytest.mark.unit

@@ -226,6 +226,20 @@ def test_spec_rejects_dangling_names():
         StepGraphSpec.model_validate({"agents": ["a"], "extra": 1})
 
 
+@pytest.mark.parametrize("built", ["forward", "backward"])
+def test_a_chain_of_twenty_thousand_agents(built):
+    """Deep workflows cost time linear in their size whatever order the graph was built in (no recursion, no
+    round per hop)."""
+    names = [f"a{i}" for i in range(20_000)]
+    graph = StepGraph()
+    edges = list(zip(names, names[1:]))
+    for src, dst in edges if built == "forward" else reversed(edges):
+        graph.add_edge(src, dst)
+    ste = graph.steps_to_execution(running=["a0"])
+    assert ste["a19999"] == 19_999 and ste["a1"] == 1
+    assert graph.steps_to_execution(running=["a10000"])["a0"] == inf
+
+
 # -- properties against a forward simulation ------------------------------------------------------
 
 NAMES = "abcdefg"

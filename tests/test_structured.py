@@ -169,3 +169,81 @@ def test_framework_adapters_enforce_required_calls_and_structured_output(engine)
         await client.close()
 
     asyncio.run(main())
+
+
+# -- strict schemas, as vLLM's and SGLang's grammar backends compile them ------------------------------
+
+OPEN_CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}  # LangChain's shape
+
+
+@pytest.mark.unit
+def test_schemas_compile_strictly_unless_they_say_otherwise():
+    from kvbaton.backend.runtime.constrained import strict_schema
+
+    nested = {"type": "object", "properties": {"inner": OPEN_CITY, "tags": {"type": "array", "items": OPEN_CITY},
+                                               "free": {"type": "object", "additionalProperties": True},
+                                               "pair": {"type": "array", "prefixItems": [{"type": "integer"}]}},
+              "$defs": {"Ref": {"type": "object", "properties": {"x": {}}}}}
+    strict = strict_schema(nested)
+    assert strict["additionalProperties"] is False
+    assert strict["properties"]["inner"]["additionalProperties"] is False
+    assert strict["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert strict["$defs"]["Ref"]["additionalProperties"] is False
+    assert strict["properties"]["free"]["additionalProperties"] is True  # said explicitly: the opt-out
+    assert strict["properties"]["pair"]["items"] is False
+    assert "additionalProperties" not in nested and "additionalProperties" not in OPEN_CITY  # the caller's untouched
+    assert strict_schema({"type": "object"}) == {"type": "object"}  # any object stays any object
+
+
+def test_a_schema_that_leaves_other_keys_open_still_ends_with_its_own(engine):
+    client = Client(engine)
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": OPEN_CITY, "strict": False}}
+    result = client.generate(ASK, max_tokens=60, response_format=fmt)
+    assert result.finish_reason == "stop" and set(json.loads(result.text)) == {"city"}
+    opened = {**OPEN_CITY, "additionalProperties": True}  # the opt-out: compiled as written
+    free = client.generate(ASK, max_tokens=8, response_format={"type": "json_schema", "json_schema": {
+        "name": "city", "schema": opened}})
+    assert free.text.startswith('{"city"')
+
+
+# A chat template with tool support of its own, the way Llama 3's renders tools and calls (JSON with
+# "parameters"): the OpenAI route hands it the tools and the calls' arguments as objects.
+LLAMA_STYLE = (
+    "{%- if tools %}<|im_start|>system\nYou may call: {% for t in tools %}{{ t.function | tojson }}{% endfor %}"
+    "<|im_end|>\n{% endif %}{%- for m in messages %}{%- if m.tool_calls %}<|im_start|>assistant\n"
+    "{% for c in m.tool_calls %}<|python_tag|>{\"name\": \"{{ c.function.name }}\", \"parameters\": "
+    "{{ c.function.arguments | tojson }}}{% endfor %}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}<|im_end|>\n{% endif %}{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+def test_a_template_with_tool_support_renders_tools_and_calls_itself():
+    from fastapi.testclient import TestClient
+    from kvbaton.backend import Engine
+    from kvbaton.backend.server import create_app
+
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+               {"role": "user", "content": "And in Rome?"}]
+    engine = Engine(kv_budget="64MiB", chat_template=LLAMA_STYLE)
+    try:
+        as_objects = [{**m, "content": "", "tool_calls": [  # as the route hands them over
+            {**c, "function": {**c["function"], "arguments": {"city": "Paris"}}} for c in m["tool_calls"]]}
+            if m.get("tool_calls") else m for m in history]
+        rendered = engine.detokenize(engine.chat_tokens(as_objects, tools=TOOLS))
+        assert 'You may call: {"name": "get_weather", "description": "Get the current weather of a city"' in rendered
+        assert '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}' in rendered
+        assert "<tools>" not in rendered and "<tool_call>" not in rendered  # not kvbaton's convention
+        with TestClient(create_app(engine, max_tokens=64)) as http:
+            body = {"messages": history, "tools": TOOLS, "max_tokens": 40}
+            answer = http.post("/v1/chat/completions", json=body).json()
+            assert answer["usage"]["prompt_tokens"] == len(engine.chat_tokens(as_objects, tools=TOOLS))
+            forced = http.post("/v1/chat/completions", json={**body, "tool_choice": "required"}).json()
+            [call] = forced["choices"][0]["message"]["tool_calls"]
+            assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"]
+    finally:
+        engine.close()

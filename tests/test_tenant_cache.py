@@ -1,6 +1,6 @@
 """Per-tenant prefix-cache isolation: on a multi-tenant server a tenant reuses only the prefix-cache
 blocks its own requests computed (so it cannot tell from its reuse or time to first token what another
-tenant sent); ``--shared-prefix-cache`` shares them. The radix tree keeps one root per scope.
+tenant sent); ``--shared-prefix-cache`` shares them. The radix tree keeps one root per partition.
 
 Model-free radix tests, one engine-level test of both modes, and the session's two-token
 ``secure_server`` (max_tokens capped at 4) for the server's default. No server of its own."""
@@ -13,10 +13,12 @@ import kvbaton
 import pytest
 import torch
 from kvbaton import SamplingParams
-from kvbaton.backend.block_pool import BlockPool, PoolShape
-from kvbaton.backend.eviction import LRU
-from kvbaton.backend.radix import NodeState, RadixCache
+from kvbaton.backend.cache.block_pool import BlockPool, PoolShape
+from kvbaton.backend.cache.eviction import LRU
+from kvbaton.backend.cache.radix import NodeState, RadixCache
+from kvbaton.backend.tenants import AgentRef, TenantPartition
 from kvbaton.bench.corpus import document
+from kvbaton.errors import InvalidRequest
 from server_fixtures import TOKEN_A, TOKEN_B
 
 BS = 4
@@ -28,7 +30,7 @@ def fresh_prompt(words: int = 230) -> str:
     return f"[{uuid.uuid4().hex}] " + document(words, seed=11)
 
 
-# -- the radix tree's scopes (model-free) -------------------------------------------------------------
+# -- the radix tree's partitions (model-free) -------------------------------------------------------------
 
 
 def tiny_cache(num_blocks: int = 16) -> tuple[BlockPool, RadixCache]:
@@ -36,9 +38,9 @@ def tiny_cache(num_blocks: int = 16) -> tuple[BlockPool, RadixCache]:
     return pool, RadixCache(pool, LRU())
 
 
-def cache_in(pool: BlockPool, cache: RadixCache, tokens: list[int], scope: str) -> list[int]:
+def cache_in(pool: BlockPool, cache: RadixCache, tokens: list[int], partition: str) -> list[int]:
     blocks = pool.allocate(len(tokens) // BS)
-    cache.insert(tokens, blocks, len(blocks), scope)
+    cache.insert(tokens, blocks, len(blocks), partition)
     pool.decref(blocks)  # the request ends; only the tree keeps them
     return blocks
 
@@ -48,21 +50,21 @@ def test_radix_scopes_match_insert_evict_and_flush_apart():
     pool, cache = tiny_cache()
     tokens = list(range(8))
     cache_in(pool, cache, tokens, "a")
-    assert len(cache.match(tokens, 8, scope="a")) == 2
-    assert cache.match(tokens, 8, scope="b") == [] and cache.match(tokens, 8) == [], "another scope sees nothing"
+    assert len(cache.match(tokens, 8, partition="a")) == 2
+    assert cache.match(tokens, 8, partition="b") == [] and cache.match(tokens, 8) == [], "another sees nothing"
 
-    cache_in(pool, cache, tokens, "b")  # the same prefix in another scope: its own copy, not a' blocks
-    a_blocks = {n.block for n in cache.match(tokens, 8, scope="a")}
-    b_blocks = {n.block for n in cache.match(tokens, 8, scope="b")}
+    cache_in(pool, cache, tokens, "b")  # the same prefix in another partition: its own copy, not a' blocks
+    a_blocks = {n.block for n in cache.match(tokens, 8, partition="a")}
+    b_blocks = {n.block for n in cache.match(tokens, 8, partition="b")}
     assert not a_blocks & b_blocks and cache.device_nodes == 4
 
-    # Eviction walks every root (and takes a parent once its leaf is gone, in each scope).
+    # Eviction walks every root (and takes a parent once its leaf is gone, in each partition).
     assert cache.evict(4) == 4 and cache.device_nodes == 0 and pool.num_free == pool.num_blocks
-    assert cache.match(tokens, 8, scope="a") == [] and cache.match(tokens, 8, scope="b") == []
+    assert cache.match(tokens, 8, partition="a") == [] and cache.match(tokens, 8, partition="b") == []
 
     cache_in(pool, cache, tokens, "")
     cache_in(pool, cache, tokens, "b")
-    cache.flush()  # every scope
+    cache.flush()  # every partition
     assert cache.device_nodes == 0 and pool.num_free == pool.num_blocks and not cache.cached_blocks()
 
 
@@ -70,51 +72,69 @@ def test_radix_scopes_match_insert_evict_and_flush_apart():
 def test_an_agents_fixed_prompt_is_tagged_and_found_in_its_own_scope():
     pool, cache = tiny_cache()
     fixed = list(range(100, 108))
-    cache.register_agent("a/writer", fixed, scope="a")
+    cache.register_agent("a/writer", fixed, partition="a")
     cache_in(pool, cache, fixed, "b")  # another tenant's identical prompt: not the agent's nodes
-    assert all(not n.owners for n in cache.match(fixed, 8, scope="b"))
+    assert all(not n.owners for n in cache.match(fixed, 8, partition="b"))
     assert cache.fixed_path("a/writer") == []
     cache_in(pool, cache, fixed, "a")
     path = cache.fixed_path("a/writer")
     assert len(path) == 2 and all(n.owners == {"a/writer"} and n.state is NodeState.DEVICE for n in path)
 
 
-# -- the engine: isolated scopes, and the shared default ----------------------------------------------------
+# -- the engine: isolated partitions, and the shared default ----------------------------------------------------
 
 
 def test_engine_isolates_tenants_prefixes_or_shares_them(engine):
     prompt = engine.tokenize(fresh_prompt(80))
     reusable = (len(prompt) - 1) // engine.block_size * engine.block_size
 
-    engine.isolate_prefix_cache()
-    first = engine.complete(prompt, GREEDY, agent="ta/")
-    again = engine.complete(prompt, GREEDY, agent="ta/reader")  # the same tenant: its own prefix
-    other = engine.complete(prompt, GREEDY, agent="tb/reader")  # another tenant: nothing of ta's
+    engine.partition_tenants(TenantPartition(prefix_cache=True))
+    first = engine.complete(prompt, GREEDY, agent=AgentRef("ta"))  # tenant ta's agentless request
+    again = engine.complete(prompt, GREEDY, agent=AgentRef("ta", "reader"))  # the same tenant: its own prefix
+    other = engine.complete(prompt, GREEDY, agent=AgentRef("tb", "reader"))  # another tenant: nothing of ta's
     assert (first.timings.tokens_reused, again.timings.tokens_reused, other.timings.tokens_reused) == (0, reusable, 0)
     assert first.token_ids == again.token_ids == other.token_ids  # exact either way
-    unknown = engine.complete(prompt, GREEDY)  # whose it is is unknown: it neither reads nor feeds the cache
+    # Whose it is is unknown (no tenant: no agent, or a plain name, whatever it spells): it neither reads nor
+    # feeds the cache.
+    unknown = engine.complete(prompt, GREEDY, agent="ta/reader")
     assert unknown.timings.tokens_reused == 0 and engine.complete(prompt, GREEDY).timings.tokens_reused == 0
 
-    engine.isolate_prefix_cache(False)  # shared (the default; the change drops the cache)
-    first = engine.complete(prompt, GREEDY, agent="ta/")
-    other = engine.complete(prompt, GREEDY, agent="tb/")
+    engine.partition_tenants(TenantPartition())  # shared (the default; the change drops the cache)
+    first = engine.complete(prompt, GREEDY, agent=AgentRef("ta"))
+    other = engine.complete(prompt, GREEDY, agent=AgentRef("tb"))
     assert (first.timings.tokens_reused, other.timings.tokens_reused) == (0, reusable)
     assert first.token_ids == other.token_ids
-    engine.release([r.handle for r in (first, other)])
+    # What an engine shows of a tenant's agent is its label, as before tenants were typed.
+    assert {e.agent for e in engine.events(0).events if e.kind == "request"} >= {"ta/", "ta/reader", "tb/reader"}
+    engine.release([r.handle for r in (first, other, again, unknown)])
 
 
-def test_the_server_isolates_by_default_and_shares_on_request(engine):
-    from kvbaton.backend.engine import tenant_cache_scope
+def test_the_server_isolates_by_default_and_shares_on_request(engine, monkeypatch):
     from kvbaton.backend.server import create_app
 
+    set_to = []
+    monkeypatch.setattr(engine, "partition_tenants", set_to.append)  # what each app asks of the engine
     create_app(engine, token=["one", "two"])
-    assert engine.cache_scope is tenant_cache_scope
-    assert tenant_cache_scope("t-1/") == "t-1" and tenant_cache_scope(None) is tenant_cache_scope("solo") is None
     create_app(engine, token=["one", "two"], shared_prefix_cache=True)
-    assert engine.cache_scope("t-1/reader") == engine.cache_scope("t-2/") == ""
-    create_app(engine, token=["one", "two"])
-    create_app(engine, token="one")  # one tenant: one scope, whatever came before
-    assert engine.cache_scope("t-1/reader") == ""
+    create_app(engine, token=["one", "two"], shared_spans=True, shared_prefix_cache=True)
+    create_app(engine, token="one")  # one tenant: one prefix-cache partition (its spans are still its own)
+    create_app(engine)  # no tokens: everything shared
+    assert set_to == [TenantPartition(prefix_cache=True, spans=True), TenantPartition(spans=True), TenantPartition(),
+                      TenantPartition(spans=True), TenantPartition()]
+
+
+@pytest.mark.unit
+def test_partitions_follow_the_typed_tenant_not_the_agent_string():
+    isolated = TenantPartition(prefix_cache=True, spans=True)
+    assert isolated.cache_partition("t-1") == isolated.span_partition("t-1") == "t-1"
+    assert isolated.cache_partition(None) is None and isolated.span_partition(None) is None  # no tenant: no partition
+    assert TenantPartition().cache_partition("t-1") == TenantPartition().cache_partition(None) == ""  # shared: one
+    assert AgentRef.of("t-1/reader") == AgentRef(None, "t-1/reader")  # a plain name is never parsed for a tenant
+    assert AgentRef("t-1", "reader").label == "t-1/reader" and AgentRef("t-1").label == "t-1/"
+    assert AgentRef.parse("t-1/reader") == AgentRef("t-1", "reader") and AgentRef.parse("solo") == AgentRef(None, "solo")
+    with pytest.raises(InvalidRequest, match="tenant"):
+        AgentRef.of(AgentRef("a/b", "x"))
+    assert TenantPartition(prefix_cache=True).within(isolated) and not isolated.within(TenantPartition(prefix_cache=True))
 
 
 @pytest.mark.unit
@@ -153,7 +173,7 @@ def test_openai_route_agentless_and_tagged_requests_reuse_only_their_tenants_pre
 def test_native_routes_and_registered_prompts_stay_within_the_tenant(secure_server):
     fixed = fresh_prompt()
     with kvbaton.connect(secure_server.url, token=TOKEN_A) as a, kvbaton.connect(secure_server.url, token=TOKEN_B) as b:
-        a.register_agent("writer", fixed, prefill=True)  # computed into tenant A's scope now
+        a.register_agent("writer", fixed, prefill=True)  # computed into tenant A's partition now
         b.register_agent("writer", fixed)
         theirs = b.complete(fixed + " Next,", GREEDY, agent="writer")
         mine = a.complete(fixed + " Next,", GREEDY, agent="writer")

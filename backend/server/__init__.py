@@ -1,19 +1,22 @@
 """The kvbaton server: the engine behind HTTP.
 
 ``create_app(engine)`` builds the FastAPI app; ``serve(...)`` (``kvbaton serve``) runs it under
-uvicorn. Endpoints:
+uvicorn. Endpoints (docs/api.md lists them all, rendered from the app's OpenAPI schema):
 
-- native handle API under ``/v1/kv/...`` (materialize, extend, fork, resume, complete, generate,
-  release, release_all, stats, tokenize, detokenize, chat_tokens); generation streams as
-  server-sent events (``event: chunk`` ..., then ``event: result``);
-- OpenAI-compatible ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions``, with the
-  ``kvbaton`` body extension / ``X-Kvbaton-Agent`` header to reuse handles;
-- ``/health``, ``/v1/capabilities`` and ``/metrics`` (Prometheus text).
+- the native handle API under ``/v1/kv/...``: one route per operator of ``kvbaton.wire.OPERATIONS``
+  (the table the SDK's HTTP client is built from; ``/v1/capabilities`` is one of its rows), plus
+  ``release_all`` and ``events/stream``; generation streams as server-sent events (``event: chunk``
+  ..., then ``event: result``);
+- OpenAI-compatible ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions`` and
+  ``/v1/responses``, with the ``kvbaton`` body extension / ``X-Kvbaton-Agent`` header to reuse
+  handles, and ``DELETE /v1/sessions/{id}``;
+- ``/health``, ``/metrics`` (Prometheus text) and ``/dashboard``.
 
 Every error answers ``{"error": {"code": ..., "message": ...}}`` with the SDK's error codes and the
 status of the error's class, 4xx for anything the request did wrong. Engine calls block: they run
-in worker threads, and streams are pulled one step per worker call, so the event loop never waits
-on the model.
+in worker threads, and streams are pulled one step per worker call (a request's choices at once),
+so the event loop never waits on the model; on SIGTERM the server drains (generations end at their
+next token) before it exits. ``allowed_origins`` opts into CORS for browsers.
 
 Security: with tokens configured, every request needs ``Authorization: Bearer <token>``; each token
 is a tenant, and handles are visible only to the tenant that made them (any other tenant gets the
@@ -23,8 +26,11 @@ cannot serve (every worker down), and so are the requests that fail meanwhile.
 
 Modules, one concept each: ``app`` (create_app, serve), ``state`` (what the endpoints share),
 ``tenancy`` (tenants, handle owners, agent slots), ``errors`` (the error schema and handlers),
-``middleware`` (metrics, auth, body limit), ``metrics`` (Prometheus), ``sse`` (the one streaming
-driver), ``native`` (``/v1/kv`` routes), ``openai`` (OpenAI routes and message translation).
+``middleware`` (metrics, auth, body limit, last-resort errors), ``accesslog`` (access and throughput
+lines), ``metrics`` (Prometheus), ``sse`` (the one streaming driver), ``native`` (``/v1/kv`` routes
+from the wire table), ``protocol`` (the server's own bodies, the OpenAI answers included), ``openai``
+(OpenAI routes), ``openai_fields``, ``openai_messages`` and ``openai_tools`` (which OpenAI fields are
+honoured; OpenAI messages translated for the chat template; tool calls streamed as deltas).
 """
 
 from __future__ import annotations

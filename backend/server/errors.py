@@ -8,7 +8,7 @@ written in one place; the only codes without an exception class are the router's
 (``not_found``, ``method_not_allowed``); on the OpenAI routes a code with an OpenAI name
 (``OPENAI_CODES``: ``context_length_exceeded``) answers with that name; a server-side failure while
 the engine says it cannot serve (every worker down) is 503 ``server_unavailable``, not 500;
-capacity answers (503) carry ``Retry-After``.
+capacity answers (503) carry ``Retry-After``, a quota (429) ``x-should-retry: false``.
 """
 
 from __future__ import annotations
@@ -27,13 +27,16 @@ from kvbaton.errors import (
     KvbatonError,
     PayloadTooLarge,
     PoolExhausted,
+    QuotaExceeded,
     ServerError,
     ServerUnavailable,
     Unauthorized,
 )
+from kvbaton.wire import invalid_request
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import protocol as p
+from . import protocol as p
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +79,19 @@ def error_response(code: str, message: str, status: int, headers: dict[str, str]
     return JSONResponse(error_body(code, message, status, param), status_code=status, headers=headers)
 
 
+def retry_headers(exc: KvbatonError) -> dict[str, str] | None:
+    """What tells a client whether to retry: ``Retry-After`` on a transient 503 (a full pool, an engine
+    that cannot serve now), ``x-should-retry: false`` on a quota (429: retrying does not help until
+    the tenant releases handles; OpenAI's clients, which retry every 429, honour the header)."""
+    if isinstance(exc, PoolExhausted | ServerUnavailable):
+        return {"Retry-After": RETRY_AFTER_S}
+    if isinstance(exc, QuotaExceeded):
+        return {"x-should-retry": "false"}
+    return None
+
+
 def exception_response(exc: KvbatonError, path: str = "") -> JSONResponse:
-    headers = {"Retry-After": RETRY_AFTER_S} if isinstance(exc, PoolExhausted | ServerUnavailable) else None
+    headers = retry_headers(exc)
     return error_response(openai_code(exc.code, path), exc.message, exc.status, headers=headers,
                           param=getattr(exc, "param", None))
 
@@ -118,8 +132,9 @@ def template_errors(fn: Callable[[], T]) -> T:
 
 
 def install_error_handlers(app: FastAPI, healthy: Health | None = None) -> None:
-    """Answer every failure with the error schema; ``healthy`` turns server failures into 503 while
-    the engine cannot serve."""
+    """Answer every failure the request's handling raises on purpose with the error schema;
+    ``healthy`` turns server failures into 503 while the engine cannot serve. (Any other exception:
+    ``middleware.ErrorMiddleware``.)"""
 
     @app.exception_handler(KvbatonError)
     async def kvbaton_error(request: Request, exc: KvbatonError) -> JSONResponse:
@@ -127,32 +142,12 @@ def install_error_handlers(app: FastAPI, healthy: Health | None = None) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems, params = [], []
-        for err in exc.errors()[:10]:
-            if err.get("type") == "json_invalid":
-                where = err.get("loc", ("body", "?"))[-1]
-                reason = err.get("ctx", {}).get("error", "JSON decode error")
-                problems.append(f"malformed JSON at position {where} ({reason})")
-                continue
-            loc = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
-            params.append(loc)
-            problems.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
-        param = (params[0] or None) if params else None
-        invalid = InvalidRequest("invalid request: " + "; ".join(problems), param=param)
-        return exception_response(invalid, request.url.path)
+        return exception_response(invalid_request(exc.errors()), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _ROUTER_CODES.get(exc.status_code, InvalidRequest.code if exc.status_code < 500 else ServerError.code)
         return error_response(code, str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        down = unavailable(exc, healthy)
-        if down is not None:
-            return exception_response(down, request.url.path)
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return error_response(ServerError.code, f"internal server error ({type(exc).__name__})", ServerError.status)
 
 
 # OpenAPI: every status a request can be answered with by an SDK error (5xx internal errors aside).
@@ -164,3 +159,12 @@ STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERROR_RESPONSES,
     200: {"content": {"text/event-stream": {}}, "description": "Result, or server-sent events with `stream: true`."},
 }
+
+
+def stream_responses(whole: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI answers of a route that answers ``whole`` (JSON), or with ``stream: true`` server-sent
+    events whose ``data`` are ``chunk``s (then ``[DONE]``), and the error schema."""
+    return {**ERROR_RESPONSES, 200: {
+        "model": whole, "content": {"text/event-stream": {"schema": {"type": "string", "description": (
+            f"With `stream: true`: `data: <{chunk.__name__}>` events, then `data: [DONE]`.")}}},
+        "description": f"A `{whole.__name__}`, or with `stream: true` server-sent events of `{chunk.__name__}`s."}}

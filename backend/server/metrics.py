@@ -5,22 +5,33 @@ Per agent (``AgentCollector``): requests, prompt tokens by source, generated tok
 and misses, labelled ``tenant`` (the salted tenant id, never a token) and ``agent``, read from the
 engine's event ring at scrape time.
 
+Per tenant (``TenantUsageCollector``): each tenant's live handles and their tokens, requests running
+and waiting for a slot, open streams and registered agents.
+
+Two views: the whole registry (``exposition``: every tenant, the pool, the engine) for a server
+without tokens or an admin token; a tenant's own view (``tenant_exposition``) for its token: its
+requests and generations (the same ``kvbaton_requests``, ``kvbaton_request_duration_seconds``,
+``kvbaton_ttft_seconds``, ``kvbaton_prompt_tokens`` and ``kvbaton_generated_tokens`` series, counted
+for it alone), its own agents' counters and its own usage, and nothing of the other tenants, the shared
+pool or the engine's totals, from which their activity could be read.
+
 Invariants: label values are bounded (route templates, never raw paths; never a token; at most
-``max_agents`` agent labels, later agents count as ``other``); the pool gauges are read from the
-engine at scrape time (``PoolCollector``), never cached.
+``max_agents`` agent labels, later agents count as ``other``; tenants are the server's tokens); the
+pool gauges are read from the engine at scrape time (``PoolCollector``), never cached.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvbaton.types import Events, Result, Stats
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MAX_AGENT_LABELS = 32
@@ -32,56 +43,127 @@ class Metrics:
     """The registry of one app, with the metrics the middleware and the generation endpoints record."""
 
     def __init__(self, stats: Callable[[], Stats], events: Callable[[int], Events] | None = None,
-                 tenant_of: Callable[[str], tuple[str, str]] | None = None, max_agents: int = MAX_AGENT_LABELS) -> None:
+                 tenant_of: Callable[[str], tuple[str, str]] | None = None, max_agents: int = MAX_AGENT_LABELS,
+                 usage: Callable[[], Mapping[str, Mapping[str, int]]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "kvbaton_requests", "HTTP requests by endpoint, method and status", ["endpoint", "method", "status"],
-            registry=self.registry,
-        )
-        self.duration = Histogram(
-            "kvbaton_request_duration_seconds", "HTTP request duration (streams: until the last byte)",
-            ["endpoint"], registry=self.registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-        )
-        self.ttft = Histogram(
-            "kvbaton_ttft_seconds", "Time to first token of generation requests, measured in the engine",
-            ["endpoint"], registry=self.registry,
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30),
-        )
-        self.prompt_tokens = Counter(
-            "kvbaton_prompt_tokens", "Prompt tokens of generation requests: reused exactly (from a handle or the "
-            "prefix cache), reused approximately (spans placed behind another prefix), or prefilled",
-            ["endpoint", "source"], registry=self.registry,
-        )
-        self.generated_tokens = Counter(
-            "kvbaton_generated_tokens", "Generated tokens", ["endpoint"], registry=self.registry
-        )
+        # Every request metric twice: in the whole registry, and per tenant for the tenants' own views
+        # (labelled ``tenant``, which a tenant's view drops: the same series names as the whole's).
+        self._by_tenant = CollectorRegistry(auto_describe=True)
+        self.requests, self._tenant_requests = self._twins(
+            Counter, "kvbaton_requests", "HTTP requests by endpoint, method and status", ["endpoint", "method", "status"])
+        self.duration, self._tenant_duration = self._twins(
+            Histogram, "kvbaton_request_duration_seconds", "HTTP request duration (streams: until the last byte)",
+            ["endpoint"], buckets=_DURATION_BUCKETS)
+        self.ttft, self._tenant_ttft = self._twins(
+            Histogram, "kvbaton_ttft_seconds", "Time to first token of generation requests, measured in the engine",
+            ["endpoint"], buckets=(0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30))
+        self.prompt_tokens, self._tenant_prompt_tokens = self._twins(
+            Counter, "kvbaton_prompt_tokens", "Prompt tokens of generation requests: reused exactly (from a handle or "
+            "the prefix cache), reused approximately (spans placed behind another prefix), or prefilled",
+            ["endpoint", "source"])
+        self.generated_tokens, self._tenant_generated_tokens = self._twins(
+            Counter, "kvbaton_generated_tokens", "Generated tokens", ["endpoint"])
+        self._agents: AgentCollector | None = None
+        self._usage: TenantUsageCollector | None = None
         self.registry.register(PoolCollector(stats))
         if events is not None:
-            self.registry.register(AgentCollector(events, tenant_of or (lambda name: (SINGLE, name)), max_agents))
+            self._agents = AgentCollector(events, tenant_of or (lambda name: (SINGLE, name)), max_agents)
+            self.registry.register(self._agents)
+        if usage is not None:
+            self._usage = TenantUsageCollector(usage)
+            self.registry.register(self._usage)
 
-    def observe(self, endpoint: str, result: Result) -> None:
+    def _twins(self, kind: type[Any], name: str, text: str, labels: list[str], **options: Any) -> tuple[Any, Any]:
+        return (kind(name, text, labels, registry=self.registry, **options),
+                kind(name, text, ["tenant", *labels], registry=self._by_tenant, **options))
+
+    def answered(self, tenant: str | None, endpoint: str, method: str, status: int, seconds: float) -> None:
+        """One HTTP request answered (``tenant``: whose, None when it had none: unauthenticated)."""
+        self.requests.labels(endpoint, method, str(status)).inc()
+        self.duration.labels(endpoint).observe(seconds)
+        if tenant is not None:
+            self._tenant_requests.labels(tenant, endpoint, method, str(status)).inc()
+            self._tenant_duration.labels(tenant, endpoint).observe(seconds)
+
+    def observe(self, tenant: str, endpoint: str, result: Result) -> None:
+        """One generation's result, of ``tenant``'s request to ``endpoint``."""
         t = result.timings
-        self.ttft.labels(endpoint).observe(t.ttft_s)
-        self.prompt_tokens.labels(endpoint, "reused").inc(t.tokens_reused - t.tokens_approximate)
-        self.prompt_tokens.labels(endpoint, "approximate").inc(t.tokens_approximate)
-        self.prompt_tokens.labels(endpoint, "prefilled").inc(t.tokens_prefilled)
-        self.generated_tokens.labels(endpoint).inc(t.tokens_generated)
+        sources = {"reused": t.tokens_reused - t.tokens_approximate, "approximate": t.tokens_approximate,
+                   "prefilled": t.tokens_prefilled}
+        for labels, ttft, prompt, generated in (
+            ((endpoint,), self.ttft, self.prompt_tokens, self.generated_tokens),
+            ((tenant, endpoint), self._tenant_ttft, self._tenant_prompt_tokens, self._tenant_generated_tokens),
+        ):
+            ttft.labels(*labels).observe(t.ttft_s)
+            for source, tokens in sources.items():
+                prompt.labels(*labels, source).inc(tokens)
+            generated.labels(*labels).inc(t.tokens_generated)
 
     def exposition(self) -> bytes:
         """Every metric in the text format (reads the engine's stats: call it off the event loop)."""
         return generate_latest(self.registry)
 
+    def tenant_exposition(self, tenant: str) -> bytes:
+        """The tenant's own metrics in the text format (see the module docstring)."""
+        return generate_latest(_TenantView(self, tenant))
 
-@dataclass
-class _AgentTotals:
-    requests: int = 0
-    reused: int = 0
-    approximate: int = 0
-    prefilled: int = 0
-    generated: int = 0
-    prefetch_hits: int = 0
-    tier_loads: int = 0  # blocks a request had to wait for from a slow tier: prefetch misses
+
+_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _TenantView:
+    """What one tenant's ``/metrics`` shows: the families of its own series only."""
+
+    def __init__(self, metrics: Metrics, tenant: str) -> None:
+        self._metrics, self._tenant = metrics, tenant
+
+    def collect(self) -> Iterable[Any]:
+        m = self._metrics
+        for family in m._by_tenant.collect():  # its requests, the tenant label dropped: the same series names
+            yield _only(family, self._tenant, drop_label=True)
+        if m._agents is not None:
+            yield from (_only(f, self._tenant) for f in m._agents.collect() if f.name != "kvbaton_events_dropped")
+        if m._usage is not None:
+            yield from (_only(f, self._tenant) for f in m._usage.collect())
+
+
+def _only(family: Metric, tenant: str, drop_label: bool = False) -> Metric:
+    """``family`` with the samples of ``tenant`` alone."""
+    out = Metric(family.name, family.documentation, family.type, family.unit)
+    for sample in family.samples:
+        if sample.labels.get("tenant") == tenant:
+            labels = {k: v for k, v in sample.labels.items() if k != "tenant"} if drop_label else sample.labels
+            out.add_sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar)
+    return out
+
+
+class TenantUsageCollector:
+    """What each tenant holds now, read at scrape time: ``usage()`` is ``{tenant: {gauge: value}}``
+    with the gauges of :data:`TENANT_GAUGES`."""
+
+    def __init__(self, usage: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        self._usage = usage
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        usage = self._usage()
+        for name, text in TENANT_GAUGES.items():
+            gauge = GaugeMetricFamily(f"kvbaton_tenant_{name}", text, labels=["tenant"])
+            for tenant, values in sorted(usage.items()):
+                gauge.add_metric([tenant], values.get(name, 0))
+            yield gauge
+
+
+TENANT_GAUGES = {
+    "handles_live": "Live handles the tenant holds",
+    "handle_tokens": "Tokens of the tenant's live handles (forks counted in full)",
+    "requests_running": "The tenant's requests holding a request slot",
+    "requests_waiting": "The tenant's requests waiting for a request slot",
+    "streams_open": "The tenant's open streams (generation and event streams)",
+    "agents_registered": "Agents the tenant registered (POST /v1/kv/agents)",
+}
 
 
 class AgentCollector:
@@ -98,7 +180,9 @@ class AgentCollector:
         self._lock = threading.Lock()  # one scrape reads and counts at a time
         self._cursor = 0
         self._dropped = 0
-        self._totals: dict[tuple[str, str], _AgentTotals] = {}
+        # Per label: requests, prompt tokens reused / approximate / prefilled, generated tokens, prefetch hits
+        # and tier loads (blocks a request had to wait for from a slow tier: prefetch misses).
+        self._totals: dict[tuple[str, str], Tally[str]] = {}
         self._named: set[tuple[str, str]] = set()
 
     def describe(self) -> list[Any]:
@@ -118,14 +202,11 @@ class AgentCollector:
             for e in page.events:
                 if e.kind != "request" or e.finish in ("error", "abandoned"):
                     continue
-                t = self._totals.setdefault(self._label(e.agent), _AgentTotals())
-                t.requests += 1
-                t.reused += e.tokens_reused - e.tokens_approximate
-                t.approximate += e.tokens_approximate
-                t.prefilled += e.tokens_prefilled
-                t.generated += e.tokens_generated
-                t.prefetch_hits += e.prefetch_hits
-                t.tier_loads += sum(n for tier, n in e.blocks_loaded.items() if tier != "device")
+                self._totals.setdefault(self._label(e.agent), Tally()).update(
+                    requests=1, reused=e.tokens_reused - e.tokens_approximate, approximate=e.tokens_approximate,
+                    prefilled=e.tokens_prefilled, generated=e.tokens_generated, prefetch_hits=e.prefetch_hits,
+                    tier_loads=sum(n for tier, n in e.blocks_loaded.items() if tier != "device"),
+                )
             if page.next == self._cursor or not page.events:
                 return
             self._cursor = page.next
@@ -133,7 +214,7 @@ class AgentCollector:
     def collect(self) -> Iterable[Any]:
         with self._lock:
             self._read()
-            totals = {k: _AgentTotals(**vars(v)) for k, v in self._totals.items()}
+            totals = {k: Tally(v) for k, v in self._totals.items()}
             dropped = self._dropped
         labels = ["tenant", "agent"]
         requests = CounterMetricFamily("kvbaton_agent_requests", "Finished requests per agent", labels=labels)
@@ -145,12 +226,12 @@ class AgentCollector:
             "kvbaton_agent_prefetch_blocks", "Cached blocks a request found brought back by prefetch (hit) or had "
             "to wait for from a slow tier (miss)", labels=[*labels, "outcome"])
         for (tenant, agent), t in sorted(totals.items()):
-            requests.add_metric([tenant, agent], t.requests)
-            for source, n in (("reused", t.reused), ("approximate", t.approximate), ("prefilled", t.prefilled)):
-                tokens.add_metric([tenant, agent, source], n)
-            generated.add_metric([tenant, agent], t.generated)
-            prefetch.add_metric([tenant, agent, "hit"], t.prefetch_hits)
-            prefetch.add_metric([tenant, agent, "miss"], t.tier_loads)
+            requests.add_metric([tenant, agent], t["requests"])
+            for source in ("reused", "approximate", "prefilled"):
+                tokens.add_metric([tenant, agent, source], t[source])
+            generated.add_metric([tenant, agent], t["generated"])
+            prefetch.add_metric([tenant, agent, "hit"], t["prefetch_hits"])
+            prefetch.add_metric([tenant, agent, "miss"], t["tier_loads"])
         yield from (requests, tokens, generated, prefetch)
         yield CounterMetricFamily("kvbaton_events_dropped", "Engine events lost to the bounded ring before a "
                                   "scrape read them (per-agent counters miss them)", value=dropped)
@@ -191,7 +272,7 @@ class PoolCollector:
                             ("prefilled", s.tokens_prefilled), ("generated", s.tokens_generated)):
             tokens.add_metric([kind], value)
         yield tokens
-        if s.audit is not None:  # the sampled fidelity check of approximate answers (backend/audit.py)
+        if s.audit is not None:  # the sampled fidelity check of approximate answers (backend/reuse/audit.py)
             checks = CounterMetricFamily(
                 "kvbaton_audit_checks", "Approximate answers re-checked against dense prefill, by outcome",
                 labels=["outcome"],

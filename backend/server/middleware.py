@@ -12,18 +12,21 @@ from __future__ import annotations
 import hmac
 import itertools
 import json
+import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvbaton import serverconf as conf
-from kvbaton.errors import InvalidRequest, KvbatonError, PayloadTooLarge, Unauthorized
+from kvbaton.errors import InvalidRequest, KvbatonError, PayloadTooLarge, ServerError, Unauthorized
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_body
+from .errors import RETRY_AFTER_S, Health, error_body, unavailable
 from .metrics import Metrics
 from .tenancy import SINGLE_TENANT
+
+log = logging.getLogger(__name__)
 
 
 async def _send_error(send: Send, exc: KvbatonError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
@@ -76,6 +79,54 @@ class AnsweredMiddleware(_HttpMiddleware):
         raise NotImplementedError
 
 
+class ErrorMiddleware(_HttpMiddleware):
+    """The innermost middleware: an exception no handler turned into an answer (a server bug, or a
+    failure while the engine cannot serve) is logged once, with its traceback, and answered with the
+    error schema, 503 ``server_unavailable`` while the engine says it cannot serve, else 500; the
+    request then ends as any other, so the connection stays open and the access log and metrics see
+    the status the client got. (Starlette's own last-resort handler re-raises, which drops the
+    connection and counts a 500.) After the answer started, nothing can be said: it re-raises."""
+
+    def __init__(self, app: ASGIApp, healthy: Health | None = None) -> None:
+        super().__init__(app)
+        self.healthy = healthy
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:
+            if started:
+                raise
+            down = unavailable(exc, self.healthy)
+            if down is None:
+                log.exception("internal error on %s %s", scope.get("method", ""), printable_path(scope))
+                down = ServerError(f"internal server error ({type(exc).__name__})")
+            else:
+                log.warning("%s %s answered 503: %s (%s)", scope.get("method", ""), printable_path(scope),
+                            down.message, type(exc).__name__)
+            await _send_error(send, down, [(b"retry-after", RETRY_AFTER_S.encode())] if down.status == 503 else ())
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F]} | {ord("\\"): "\\\\"}
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters (and backslashes) escaped: a log line stays one line (a
+    ``%0A`` in a URL, decoded into the path, cannot start a forged one)."""
+    return text.translate(_CONTROL)
+
+
+def printable_path(scope: Scope) -> str:
+    return printable(str(scope.get("path", "")))
+
+
 class MetricsMiddleware(AnsweredMiddleware):
     """Counts every request by route template (not raw path: bounded label values) and status."""
 
@@ -86,38 +137,63 @@ class MetricsMiddleware(AnsweredMiddleware):
     def answered(self, scope: Scope, status: int, seconds: float) -> None:
         route = scope.get("route")
         endpoint = getattr(route, "path", None) or "unmatched"
-        self.metrics.requests.labels(endpoint, scope.get("method", ""), str(status)).inc()
-        self.metrics.duration.labels(endpoint).observe(seconds)
+        self.metrics.answered(scope.get("kvbaton.tenant"), endpoint, scope.get("method", ""), status, seconds)
 
 
 class AuthMiddleware(_HttpMiddleware):
-    """Bearer-token check; records the request's tenant in ``scope["kvbaton.tenant"]``."""
+    """Bearer-token check; records the request's tenant in ``scope["kvbaton.tenant"]``. An ``admin``
+    token is no tenant: it is accepted on the ``ADMIN_PATHS`` only (``scope["kvbaton.admin"]``), and
+    once there is one, those paths need a token even on a server without tenants."""
 
-    def __init__(self, app: ASGIApp, tenants: Mapping[str, str], public: frozenset[str] = frozenset()) -> None:
+    ADMIN_PATHS = frozenset({"/metrics"})
+
+    def __init__(self, app: ASGIApp, tenants: Mapping[str, str], public: frozenset[str] = frozenset(),
+                 admin: Sequence[str] = ()) -> None:
         super().__init__(app)
         self.tenants = dict(tenants)
         self.public = public  # exact paths served to anyone: pages that hold no data (the dashboard's)
+        self.admin = list(admin)
+
+    @staticmethod
+    def _bearer(scope: Scope) -> str | None:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return token.strip() if scheme.lower() == "bearer" else None
+        return None
 
     def _tenant(self, scope: Scope) -> str | None:
         if not self.tenants:
             return SINGLE_TENANT
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() != "bearer":
-                    return None
-                token = token.strip()
-                found = None
-                for known, tenant in self.tenants.items():  # constant time per token
-                    if hmac.compare_digest(known.encode(), token.encode()):
-                        found = tenant
-                return found
-        return None
+        token = self._bearer(scope)
+        if token is None:
+            return None
+        found = None
+        for known, tenant in self.tenants.items():  # constant time per token
+            if hmac.compare_digest(known.encode(), token.encode()):
+                found = tenant
+        return found
+
+    def _is_admin(self, scope: Scope) -> bool:
+        token = self._bearer(scope)
+        found = False
+        for admin in self.admin:  # constant time per token
+            found |= token is not None and hmac.compare_digest(admin.encode(), token.encode())
+        return found
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("path") in self.public and scope.get("method") in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
+        if self.admin and scope.get("path") in self.ADMIN_PATHS:
+            if self._is_admin(scope):
+                scope["kvbaton.admin"] = True
+                await self.app(scope, receive, send)
+                return
+            if not self.tenants:  # no tenant to show its own view to: the admin's alone
+                await _send_error(send, Unauthorized("this route needs the admin token (Authorization: Bearer "
+                                                     "<admin token>)"), [(b"www-authenticate", b"Bearer")])
+                return
         tenant = self._tenant(scope)
         if tenant is None:
             await _send_error(send, Unauthorized("missing or invalid bearer token (Authorization: Bearer <token>)"),
@@ -128,7 +204,7 @@ class AuthMiddleware(_HttpMiddleware):
 
 
 _DRAIN_BYTES = 64 * 1024 * 1024
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # high (D800-DBFF) or low (DC00-DFFF)
 
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -159,7 +235,8 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 class BodyLimitMiddleware(_HttpMiddleware):
     """Reads the whole body up front: 413 beyond ``max_bytes``, 400 for JSON nested deeper than
-    ``max_depth`` and for JSON text that is not Unicode (lone UTF-16 surrogate escapes)."""
+    ``max_depth``, for a body that is not UTF-8 (a UTF-16 one) and for JSON text that is not Unicode
+    (lone UTF-16 surrogate escapes, high or low)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, max_depth: int = conf.MAX_JSON_DEPTH) -> None:
         super().__init__(app)
@@ -194,6 +271,12 @@ class BodyLimitMiddleware(_HttpMiddleware):
             if not message.get("more_body", False):
                 break
         data = b"".join(chunks)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:  # JSON is UTF-8 (RFC 8259); a UTF-16 body is refused, not guessed at
+            await _send_error(send, InvalidRequest(
+                f"The request body is not UTF-8 (invalid byte at position {exc.start}): send JSON as UTF-8."))
+            return
         if json_depth(data) > self.max_depth:
             await _send_error(send, InvalidRequest(
                 f"request JSON nests deeper than the server's limit of {self.max_depth} levels"))
@@ -204,7 +287,9 @@ class BodyLimitMiddleware(_HttpMiddleware):
             except ValueError:
                 lone = False  # not JSON: the endpoint reports it
             if lone:
-                await _send_error(send, InvalidRequest("request text contains a lone UTF-16 surrogate"))
+                await _send_error(send, InvalidRequest(
+                    "The request text contains a lone UTF-16 surrogate escape (\\uD800-\\uDFFF without its pair), "
+                    "which is no Unicode text."))
                 return
         if data:  # every endpoint takes JSON: read it as JSON whatever the client declared (curl -d)
             headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]

@@ -1,21 +1,27 @@
 """The OpenAI-compatible API: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/responses`` (text, not streamed), and kvbaton's ``DELETE /v1/sessions/{id}``.
+``/v1/responses`` (text, not streamed), and kvbaton's ``DELETE /v1/sessions/{id}``. Answer bodies
+are declared in the OpenAPI schema (``protocol``: the shapes of the ``openai`` package's models).
 
 One template method serves both completion endpoints, in the spirit of SGLang's
 ``OpenAIServingBase.handle_request``: ``OpenAIServing.handle`` parses the request into a ``Plan``,
 runs it whole or streams it through the one SSE driver, and builds the answer; ``ChatServing`` and
 ``CompletionServing`` fill in only what differs (the prompt, how streams open, which handles are
-kept, the shape of a choice). Also here: OpenAI chat messages translated for the chat template.
+kept, the shape of a choice); ``ResponsesServing`` is chat with another answer. The messages they
+render are translated by ``openai_messages``.
 
-Invariants: choice ``i`` samples with ``seed + i`` (choices differ, a request is reproducible);
-a request is admitted for its ``n`` result handles within the tenant's quotas; an agent's latest
+Invariants: a request's choices (``n`` per prompt; ``/v1/completions`` takes a list of prompts,
+its choices prompt-major as vLLM's) run at once, so the engine batches them, and a stream says
+their chunks as they come, interleaved; choice ``i`` of a prompt samples with ``seed + i`` (choices
+differ, a request is reproducible); ``usage`` counts each prompt once and every choice's
+completion, and the access log counts the same; a request is admitted for its result handles
+(one per choice) within the tenant's quotas; an agent's latest
 chat result stays in its slot and the one before is released (unless the caller ``keep``s every
 handle); a full pool first evicts the same tenant's other agents' idle slots (never another
 tenant's), then answers 503; streams own their handles as every stream does (``sse``). Reuse: a
 request runs with its own policy (``kvbaton.reuse`` / ``X-Kvbaton-Reuse``), else the server's; an
-answer says whether it is exact (``kvbaton.exact``, and ``X-Kvbaton-Approximate: true`` on a whole
-answer that is not), ``cached_tokens`` counts exact reuse only, and an ``"exact"`` request never
-resumes an agent's retained approximate handle.
+answer says whether it is exact (``kvbaton.exact``, on a stream's last chunk too, and
+``X-Kvbaton-Approximate: true`` on an answer that is not, streamed or whole), ``cached_tokens`` counts
+exact reuse only, and an ``"exact"`` request never resumes an agent's retained approximate handle.
 """
 
 from __future__ import annotations
@@ -25,13 +31,13 @@ import json
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from kvbaton.errors import (
     OPENAI_CODES,
+    ContextTooLong,
     HandleNotFound,
     HandleReleased,
     InvalidRequest,
@@ -39,109 +45,46 @@ from kvbaton.errors import (
     PoolExhausted,
 )
 from kvbaton.stream import TokenStream
-from kvbaton.tools import parse_tool_calls, required_tools, tool_call_format, tool_names
-from kvbaton.types import Result, Reuse, SamplingParams, StreamChunk, TokenLogprob
+from kvbaton.tools import parse_tool_calls
+from kvbaton.types import Result, SamplingParams, StreamChunk, TokenLogprob, TopLogprob
 
-from .. import protocol as p
-from .accesslog import note_tokens
-from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
+from . import protocol as p
+from .accesslog import note_usage
+from .errors import ERROR_RESPONSES, stream_responses, template_errors
 from .openai_fields import COMPLETION_FIELDS, RESPONSES_FIELDS, FieldTable, check_fields
-from .sse import Streams, StreamEvents, close_all, open_primed, prime_all, sse, stream_response
+from .openai_messages import openai_messages, responses_messages
+from .openai_plan import Plan, tool_plan
+from .openai_tools import ToolCallStream
+from .sse import StreamEvents, Streams, close_all, open_primed, prime_all, run_whole, sse, stream_response
 from .state import ServerState
-from .tenancy import SlotKey, request_agent, request_reuse, request_session, request_tenant
+from .tenancy import request_agent, request_reuse, request_session, request_tenant
 
 APPROXIMATE_HEADER = "X-Kvbaton-Approximate"
-"""Response header, ``true`` on a (non-streamed) answer whose prompt K/V were partly reused approximately."""
+"""Response header, ``true`` on an answer (whole or streamed) whose prompt K/V were partly reused approximately."""
 
 
-# -- messages ------------------------------------------------------------------------------------
-
-_ROLES = {"developer": "system", "function": "tool"}
-
-
-def _text_content(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif (isinstance(part, dict) and part.get("type") in ("text", "input_text")
-                  and isinstance(part.get("text"), str)):
-                parts.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequest(f"only text content is supported, got a {kind!r} part")
-        return "".join(parts)
-    raise InvalidRequest(f"message content must be text or a list of text parts, got {type(content).__name__}")
-
-
-def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI chat messages as the chat template takes them: text content, template roles."""
-    out = []
-    for m in messages:
-        if not isinstance(m, dict):
-            raise InvalidRequest("each message must be an object with role and content")
-        role = m.get("role")
-        msg = {k: v for k, v in m.items() if v is not None}
-        msg["role"] = _ROLES.get(role, role) if isinstance(role, str) else role
-        msg["content"] = _text_content(m.get("content"))
-        out.append(msg)
-    return out
-
-
-def usage(results: Sequence[Result]) -> dict[str, Any]:
-    """OpenAI usage of ``n`` choices: their one prompt, every choice's completion. ``cached_tokens``
-    counts exact reuse only: K/V reused approximately (``tokens_approximate``) is not what OpenAI
-    clients take a cache hit to be."""
-    first = results[0].timings
-    prompt = first.tokens_reused + first.tokens_prefilled
+def usage(results: Sequence[Result], n: int | None = None) -> dict[str, Any]:
+    """OpenAI usage of the choices ``results`` (``n`` per prompt, prompt-major; default: all of one
+    prompt): each prompt once, every choice's completion. ``cached_tokens`` counts exact reuse only:
+    K/V reused approximately (``tokens_approximate``) is not what OpenAI clients take a cache hit to be."""
+    firsts = [r.timings for r in results[:: n or len(results)]]  # each prompt's first choice
+    prompt = sum(t.tokens_reused + t.tokens_prefilled for t in firsts)
     completion = sum(r.timings.tokens_generated for r in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": first.tokens_reused - first.tokens_approximate},
+        "prompt_tokens_details": {"cached_tokens": sum(t.tokens_reused - t.tokens_approximate for t in firsts)},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 
+def token_bytes(entry: TopLogprob) -> list[int]:
+    """A log-probability entry's token bytes (an engine that does not say them: its text's)."""
+    return list(entry.bytes) if entry.bytes else list(entry.token.encode())
+
+
 # -- the template ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Plan:
-    """One parsed OpenAI request: who asks, what the engine gets, the sampling of each choice."""
-
-    tenant: str
-    session: str  # "" is the default session
-    agent: str  # "" when none
-    engine_agent: str | None
-    reuse: p.HandleRef | None  # the caller's handle to reuse (else the agent's latest, for chat)
-    policy: Reuse  # the reuse policy the engine runs it with
-    keep: bool
-    step: str | int | None
-    params: list[SamplingParams]  # one per choice
-    prompt: Any  # what the engine is given: chat messages, or the completion prompt
-    tools: list[dict[str, Any]] | None
-    include_usage: bool
-    id: str
-    created: int
-    model: str = ""  # the name answers carry: the served name asked for, else the first
-    scope: dict[str, Any] | None = None  # the request's ASGI scope: its access line counts the tokens
-    tool_names: list[str] = field(default_factory=list)  # the tools an answer may call (chat)
-    forced: str | None = None  # the one tool the answer must call, when tool_choice names it
-
-    @property
-    def parses_tools(self) -> bool:
-        return bool(self.tool_names)
-
-    @property
-    def key(self) -> SlotKey:
-        return (self.tenant, self.session, self.agent)
 
 
 class OpenAIServing:
@@ -153,21 +96,37 @@ class OpenAIServing:
     chunk_object: str  # of a streamed chunk
     head: ClassVar[dict[str, Any]] = {}  # more fields after id/object/created/model
     fields: ClassVar[FieldTable] = COMPLETION_FIELDS  # which undeclared request fields are accepted
+    prompt_field: ClassVar[str] = "messages"  # the request field that holds the prompt
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    async def handle(self, body: p.OpenAIRequest, request: Request) -> Any:
+    async def handle(self, body: p.SamplingRequest, request: Request) -> Any:
         plan = self.plan(body, request)
         plan.scope = request.scope
         admission = self.state.admit(plan.tenant, len(plan.params))
-        if body.stream:
-            return await stream_response(self.state, plan.tenant, functools.partial(self.open_streams, plan),
-                                         _OpenAIEvents(self, plan), admission)
-        with admission:
-            results, kept = await self.state.run(self.run_all, plan)
+        try:
+            if body.stream:
+                approximate: list[bool] = []
+
+                def opened() -> Streams:  # primed: each stream's first chunk says whether its prompt is exact
+                    streams, firsts = self.open_streams(plan)
+                    approximate.extend(first is not None and first.exact is False for first in firsts)
+                    return streams, firsts
+
+                response = await stream_response(self.state, plan.tenant, opened, _OpenAIEvents(self, plan),
+                                                 admission)
+                if any(approximate):  # known before the first byte: streamed answers are marked like whole ones
+                    response.headers[APPROXIMATE_HEADER] = "true"
+                return response
+            with admission:
+                results, kept = await self.run_all(plan)
+        except ContextTooLong as exc:  # name the request's own field: the one to lower
+            field = body.max_field() if exc.param == "max_tokens" else self.prompt_field
+            raise ContextTooLong(f"{exc.message}: lower '{field}'.", param=field) from None
         for r in results:
             self.observe(r, plan)
+        note_usage(plan.scope, usage(results, plan.n))
         payload = self.answer(plan, results, kept)
         headers = {"X-Kvbaton-Handle": kept[0]} if kept[0] else {}
         if not all(r.exact for r in results):
@@ -179,53 +138,52 @@ class OpenAIServing:
         return {
             **self.header(plan, self.object),
             "choices": [self.whole_choice(plan, i, r) for i, r in enumerate(results)],
-            "usage": usage(results),
+            "usage": usage(results, plan.n),
             "kvbaton": self.extension(plan, kept, results),
         }
 
-    def plan(self, body: p.OpenAIRequest, request: Request) -> Plan:
+    def plan(self, body: p.SamplingRequest, request: Request) -> Plan:
         state = self.state
         tenant = request_tenant(request)
         check_fields(body.model_extra, self.fields)
         ext = body.kvbaton or p.KvbatonExtension()
         agent = request_agent(request, ext.agent) or ""
         session = request_session(request, ext.session, (body.model_extra or {}).get("user"))
-        engine_agent = state.agent(tenant, agent)
-        if body.n > state.max_n:
-            raise InvalidRequest(f"n {body.n} exceeds the server's limit of {state.max_n}")
+        engine_agent = state.agent(tenant, agent, session or None)  # the session bounds approximate reuse
+        prompts, tools = self.prompt(body, ext)
+        n = body.choices()
+        if n * len(prompts) > state.max_n:
+            what = f"n {n}" if len(prompts) == 1 else f"{len(prompts)} prompts x n {n}"
+            raise InvalidRequest(f"Invalid value for 'n': {what} choices exceed the server's limit of {state.max_n} "
+                                 "choices per request (--max-n).", param="n" if len(prompts) == 1 else "prompt")
         state.check_owned(tenant, [ext.handle])
         policy = state.reuse(request_reuse(request, ext.reuse))
         fields = {k: v for k, v in body.sampling_fields().items() if v is not None}
         fields.setdefault("max_tokens", state.default_max_tokens)
         if fields.get("min_tokens", 0) > fields["max_tokens"]:
-            raise InvalidRequest(f"min_tokens {fields['min_tokens']} exceeds max_tokens {fields['max_tokens']}",
-                                 param="min_tokens")
-        seeds = [None if body.seed is None else (body.seed + i) % 2**63 for i in range(body.n)]
-        params = [state.sampling({**fields, "seed": seed}) for seed in seeds]
-        prompt, tools = self.prompt(body, ext)
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+            raise InvalidRequest(f"Invalid value for 'min_tokens': {fields['min_tokens']} exceeds {body.max_field()} "
+                                 f"{fields['max_tokens']}.", param="min_tokens")
+        if fields["max_tokens"] > state.max_tokens:
+            raise InvalidRequest(f"Invalid value for '{body.max_field()}': {fields['max_tokens']} exceeds the server's "
+                                 f"limit of {state.max_tokens}.", param=body.max_field())
+        seed = body.first_seed()
+        seeds = [None if seed is None else (seed + i) % 2**63 for i in range(n)]
+        params = [state.sampling({**fields, "seed": s}) for _ in prompts for s in seeds]
         return Plan(
-            tenant=tenant, session=session, agent=agent, engine_agent=engine_agent, reuse=ext.handle, policy=policy,
-            keep=ext.keep, step=ext.step, params=params, prompt=prompt, tools=tools, include_usage=include_usage,
-            id=self.id_prefix + secrets.token_hex(12), created=int(time.time()),
+            tenant=tenant, session=session, agent=agent, engine_agent=engine_agent, handle=ext.handle, policy=policy,
+            keep=ext.keep, step=ext.step, params=params, prompts=prompts, n=n, tools=tools,
+            include_usage=body.include_usage, id=self.id_prefix + secrets.token_hex(12), created=int(time.time()),
             model=body.model if body.model in state.model_names else state.model,
         )
 
-    def run_all(self, plan: Plan) -> tuple[list[Result], list[str | None]]:
-        """Every choice to its end (in a worker thread); the results and the handles kept for the caller."""
-        streams, _ = self.open_streams(plan)
-        try:
-            results = [s.until_done() for s in streams]
-        except BaseException:  # the choices that did end made handles nobody will get
-            self.state.release_quietly([s.result.handle.id for s in streams if s.result is not None])
-            raise
-        finally:
-            close_all(streams)
-        return results, self.finish(plan, results)
+    async def run_all(self, plan: Plan) -> tuple[list[Result], list[str | None]]:
+        """Every choice to its end, all at once (each in its own worker call: the engine batches them);
+        the results and the handles kept for the caller."""
+        results = await run_whole(self.state, functools.partial(self.open_streams, plan))
+        return results, await self.state.run(self.finish, plan, results)
 
     def observe(self, result: Result, plan: Plan) -> None:
-        self.state.metrics.observe(self.endpoint, result)
-        note_tokens(plan.scope, result)
+        self.state.metrics.observe(plan.tenant, self.endpoint, result)
 
     def header(self, plan: Plan, obj: str) -> dict[str, Any]:
         return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model, **self.head}
@@ -250,19 +208,21 @@ class OpenAIServing:
     @staticmethod
     def extension(plan: Plan, kept: list[str | None], results: Sequence[Result]) -> dict[str, Any]:
         """The ``kvbaton`` field of the answer: handles kept for the caller, agent, step, timings (one per
-        choice), and whether the answer is exact: ``exact`` (every choice's prompt K/V equal dense
-        prefill's), ``reuse`` (the policy it ran with), and choice 0's ``tokens_approximate`` and
+        choice), and whether the answer is exact: ``exact`` (no choice's prompt K/V approximated),
+        ``token_identical`` (what that promises: greedy output identical to dense prefill, float32 only),
+        ``reuse`` (the policy it ran with), and choice 0's ``tokens_approximate`` and
         ``segments`` (the spans placed behind this prompt's prefix, and what was done with each)."""
         first = results[0]
         return {"handle": kept[0], "handles": kept, "agent": plan.agent or None, "step": plan.step,
                 "timings": [r.timings.model_dump() for r in results],
                 "exact": all(r.exact for r in results), "reuse": plan.policy,
+                "token_identical": all(r.token_identical for r in results),
                 "tokens_approximate": first.timings.tokens_approximate,
                 "segments": [s.model_dump(mode="json") for s in first.segments]}
 
     # -- hooks --------------------------------------------------------------------------------------
-    def prompt(self, body: Any, ext: p.KvbatonExtension) -> tuple[Any, list[dict[str, Any]] | None]:
-        """What the engine is given (validated), and the tools of the chat template."""
+    def prompt(self, body: Any, ext: p.KvbatonExtension) -> tuple[list[Any], list[dict[str, Any]] | None]:
+        """What the engine is given (validated), one per prompt, and the tools of the chat template."""
         raise NotImplementedError
 
     def open_streams(self, plan: Plan) -> Streams:
@@ -287,53 +247,72 @@ class OpenAIServing:
 
 
 class _OpenAIEvents(StreamEvents):
-    """The chunks of an OpenAI stream: choices one after the other, the ``kvbaton`` field on the
-    last chunk, usage when asked for, then ``[DONE]``."""
+    """The chunks of an OpenAI stream: the choices' chunks as they come (interleaved), the ``kvbaton``
+    field on the last chunk, usage when asked for, then ``[DONE]``. With tools, each choice's text
+    goes through a :class:`.openai_tools.ToolCallStream`: content and tool-call deltas as the model
+    writes them, log probabilities with the next delta that is sent."""
 
     def __init__(self, serving: OpenAIServing, plan: Plan) -> None:
         self.serving, self.plan = serving, plan
         self.offsets: dict[int, int] = {}  # per choice: characters streamed so far (legacy logprobs' text_offset)
+        self.tools = ([ToolCallStream(plan.tool_names, plan.forced) for _ in plan.params]
+                      if plan.parses_tools else [])
+        self.pending: dict[int, list[TokenLogprob]] = {}  # per choice: log probabilities not sent yet (tools)
+        self.last: dict[str, Any] = {}  # the closing choice of the last choice to end: sent with the kvbaton field
 
     def _chunk(self, choices: list[dict[str, Any]], **more: Any) -> str:
         head = self.serving.header(self.plan, self.serving.chunk_object)
         return sse(json.dumps({**head, "choices": choices, **more}))
+
+    def _deltas(self, index: int, deltas: list[dict[str, Any]], finish_reason: str | None = None) -> list[dict[str, Any]]:
+        """Chat choices of tool-parser deltas; the choice's pending log probabilities go with the first."""
+        out = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            choice = self.serving.choice(index, {"delta": delta}, finish_reason if last else None)
+            entries = self.pending.pop(index, None)
+            out.append({**choice, "logprobs": self.serving.logprobs(entries)} if entries else choice)
+        return out
 
     def opening(self, index: int) -> list[str]:
         part = self.serving.opening()
         return [self._chunk([self.serving.choice(index, part, None)])] if part is not None else []
 
     def chunk(self, index: int, chunk: StreamChunk) -> list[str]:
-        if self.plan.parses_tools or not (chunk.text or chunk.logprobs):
-            return []  # with tools, a choice is parsed whole and sent as its closing delta
+        if self.tools:
+            if chunk.logprobs:
+                self.pending.setdefault(index, []).extend(chunk.logprobs)
+            return [self._chunk([c]) for c in self._deltas(index, self.tools[index].feed(chunk.text))]
+        if not (chunk.text or chunk.logprobs):
+            return []
         offset = self.offsets.get(index, 0)
         self.offsets[index] = offset + len(chunk.text)
         choice = self.serving.choice(index, self.serving.delta(chunk.text), None)
         return [self._chunk([{**choice, "logprobs": self.serving.logprobs(chunk.logprobs, offset)}])]
 
-    def _closing(self, index: int, result: Result) -> dict[str, Any]:
-        if not self.plan.parses_tools:
-            return self.serving.choice(index, self.serving.delta(None), result.finish_reason)
-        # The whole choice in one delta: its text and tool calls, and its logprobs.
-        part, finish = self.serving.output(self.plan, result)
-        delta = {k: v for k, v in part["message"].items() if k != "role" and v is not None}
-        for i, call in enumerate(delta.get("tool_calls", [])):
-            call["index"] = i
-        choice = self.serving.choice(index, {"delta": delta}, finish)
-        return {**choice, "logprobs": self.serving.logprobs(result.logprobs)}
+    def _closing(self, index: int, result: Result) -> list[dict[str, Any]]:
+        """A choice's last choices: with tools, what its parser held back; then its finish reason."""
+        if not self.tools:
+            return [self.serving.choice(index, self.serving.delta(None), result.finish_reason)]
+        parser = self.tools[index]
+        deltas = [*parser.finish(), {}]
+        return self._deltas(index, deltas, "tool_calls" if parser.called else result.finish_reason)
 
     def closing(self, index: int, result: Result, last: bool) -> list[str]:
         self.serving.observe(result, self.plan)
-        if last:
-            return []  # the last choice closes with the kvbaton field, in finish
-        return [self._chunk([self._closing(index, result)])]
+        choices = self._closing(index, result)
+        if last:  # the last choice to end closes with the kvbaton field, in finish
+            self.last = choices.pop()
+        return [self._chunk([c]) for c in choices]
 
     def finish(self, results: list[Result]) -> list[str]:
         kept = self.serving.finish(self.plan, results)
         ext = self.serving.extension(self.plan, kept, results)
-        last = self._closing(len(results) - 1, results[-1])
-        out = [self._chunk([last], kvbaton=ext)]
+        counts = usage(results, self.plan.n)
+        note_usage(self.plan.scope, counts)
+        out = [self._chunk([self.last], kvbaton=ext)]
         if self.plan.include_usage:
-            out.append(self._chunk([], usage=usage(results), kvbaton=ext))
+            out.append(self._chunk([], usage=counts, kvbaton=ext))
         return [*out, sse("[DONE]")]
 
     def error(self, body: dict[str, Any]) -> str:
@@ -356,9 +335,10 @@ class ChatServing(OpenAIServing):
     chunk_object = "chat.completion.chunk"
     head: ClassVar[dict[str, Any]] = {"system_fingerprint": None}
 
-    def prompt(self, body: p.ChatCompletionRequest, ext: p.KvbatonExtension) -> tuple[Any, list[dict[str, Any]] | None]:
-        tools = None if body.tool_choice == "none" else body.tools  # "none": the model is not told of them
-        return openai_messages(body.messages), tools or None
+    def prompt(self, body: p.ChatCompletionRequest,
+               ext: p.KvbatonExtension) -> tuple[list[Any], list[dict[str, Any]] | None]:
+        tools = None if body.tool_choice == "none" else body.tool_dicts()  # "none": the model is not told of them
+        return [openai_messages(body.messages)], tools or None
 
     def plan(self, body: p.ChatCompletionRequest, request: Request) -> Plan:  # type: ignore[override]
         plan = super().plan(body, request)
@@ -380,8 +360,8 @@ class ChatServing(OpenAIServing):
         if entries is None:
             return None
 
-        def item(e: Any) -> dict[str, Any]:
-            return {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode())}
+        def item(e: TopLogprob) -> dict[str, Any]:
+            return {"token": e.token, "logprob": e.logprob, "bytes": token_bytes(e)}
 
         return {"content": [{**item(e), "top_logprobs": [item(t) for t in e.top_logprobs]} for e in entries]}
 
@@ -390,7 +370,7 @@ class ChatServing(OpenAIServing):
 
         def open_stream(handle: p.HandleRef | None, params: SamplingParams) -> TokenStream:
             return template_errors(functools.partial(
-                state.engine.generate_stream, plan.prompt, handle=handle, tools=plan.tools, sampling=params,
+                state.engine.generate_stream, plan.prompts[0], handle=handle, tools=plan.tools, sampling=params,
                 agent=plan.engine_agent, reuse=plan.policy,
             ))
 
@@ -399,8 +379,8 @@ class ChatServing(OpenAIServing):
             streams: list[TokenStream] = []
             try:
                 with slot.lock:
-                    base: p.HandleRef | None = plan.reuse if plan.reuse is not None else slot.handle_id
-                    if plan.reuse is None and not slot.exact and plan.policy == "exact":
+                    base: p.HandleRef | None = plan.handle if plan.handle is not None else slot.handle_id
+                    if plan.handle is None and not slot.exact and plan.policy == "exact":
                         # An exact request does not resume the agent's approximate turn; its exact
                         # prefix still comes from the prefix cache. (A handle the caller names is used.)
                         base = None
@@ -409,7 +389,7 @@ class ChatServing(OpenAIServing):
                         try:
                             streams.append(open_stream(base, params))
                         except (HandleNotFound, HandleReleased):
-                            if plan.reuse is not None or base is None:
+                            if plan.handle is not None or base is None:
                                 raise
                             slot.handle_id = base = None  # the retained handle was released meanwhile
                             streams.append(open_stream(None, params))
@@ -426,7 +406,9 @@ class ChatServing(OpenAIServing):
 
     def finish(self, plan: Plan, results: Sequence[Result]) -> list[str | None]:
         state = self.state
-        state.record(plan.tenant, [r.handle for r in results])
+        kept = len(results) if plan.keep else 1  # journaled: the handles the caller or the agent's slot keeps
+        state.record(plan.tenant, [r.handle for r in results[:kept]])
+        state.record(plan.tenant, [r.handle for r in results[kept:]], durable=False)  # released below
         handles = [r.handle.id for r in results]
         if plan.keep:
             return list(handles)
@@ -447,42 +429,29 @@ class ChatServing(OpenAIServing):
 
 
 class CompletionServing(OpenAIServing):
-    """``/v1/completions``: one prompt, no handle reuse; result handles are released unless kept."""
+    """``/v1/completions``: a prompt or a list of them (one batch, ``n`` choices per prompt), no
+    handle reuse; result handles are released unless kept."""
 
     endpoint = "/v1/completions"
     id_prefix = "cmpl-"
     object = chunk_object = "text_completion"
+    prompt_field = "prompt"
 
-    def prompt(self, body: p.CompletionRequest, ext: p.KvbatonExtension) -> tuple[Any, list[dict[str, Any]] | None]:
-        prompt: Any = body.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise InvalidRequest("only one prompt per request is supported")
-            prompt = prompt[0]
+    def prompt(self, body: p.CompletionRequest,
+               ext: p.KvbatonExtension) -> tuple[list[Any], list[dict[str, Any]] | None]:
         if ext.handle is not None:
-            raise InvalidRequest("/v1/completions does not take a handle; use /v1/chat/completions or /v1/kv/resume")
-        return prompt, None
+            raise InvalidRequest("Unsupported parameter: 'kvbaton.handle': /v1/completions takes no handle; use "
+                                 "/v1/chat/completions or /v1/kv/resume.", param="kvbaton.handle")
+        return body.prompts(), None
 
     def open_streams(self, plan: Plan) -> Streams:
         engine = self.state.engine
-        return open_primed(functools.partial(engine.complete_stream, plan.prompt, params, agent=plan.engine_agent,
-                                             reuse=plan.policy)
-                           for params in plan.params)
-
-    def run_all(self, plan: Plan) -> tuple[list[Result], list[str | None]]:
-        # One choice at a time: the pool holds one request of this call, not n.
-        results: list[Result] = []
-        try:
-            for params in plan.params:
-                results.append(self.state.engine.complete(plan.prompt, params, agent=plan.engine_agent,
-                                                          reuse=plan.policy))
-        except BaseException:  # the choices that did end made handles nobody will get
-            self.state.release_quietly([r.handle.id for r in results])
-            raise
-        return results, self.finish(plan, results)
+        return open_primed(functools.partial(engine.complete_stream, plan.prompt_of(c), params,
+                                             agent=plan.engine_agent, reuse=plan.policy)
+                           for c, params in enumerate(plan.params))
 
     def finish(self, plan: Plan, results: Sequence[Result]) -> list[str | None]:
-        self.state.record(plan.tenant, [r.handle for r in results])
+        self.state.record(plan.tenant, [r.handle for r in results], durable=plan.keep)  # else released below
         handles = [r.handle.id for r in results]
         if plan.keep:
             return list(handles)
@@ -496,10 +465,13 @@ class CompletionServing(OpenAIServing):
         """The legacy shape: tokens, their logprobs, the alternatives by token, each token's text offset."""
         if entries is None:
             return None
-        offsets = []
+        offsets, held = [], b""  # a token may end inside a character: its text starts where the character does
         for e in entries:
             offsets.append(offset)
-            offset += len(e.token)
+            held += bytes(token_bytes(e))
+            text = held.decode("utf-8", "ignore")
+            if text:
+                offset, held = offset + len(text), held[len(text.encode()):]
         return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
                 "text_offset": offsets}
@@ -517,28 +489,23 @@ class ResponsesServing(ChatServing):
     id_prefix = "resp_"
     object = "response"
     fields = RESPONSES_FIELDS
+    prompt_field = "input"
 
-    async def handle(self, body: p.OpenAIRequest, request: Request) -> Any:
+    async def handle(self, body: p.SamplingRequest, request: Request) -> Any:
         if body.stream:
-            raise InvalidRequest("/v1/responses does not stream here; use /v1/chat/completions with stream",
-                                 param="stream")
+            raise InvalidRequest("Unsupported value for 'stream': /v1/responses does not stream here; use "
+                                 "/v1/chat/completions with stream.", param="stream")
         return await super().handle(body, request)
 
     def plan(self, body: p.ResponsesRequest, request: Request) -> Plan:  # type: ignore[override]
         return OpenAIServing.plan(self, body, request)  # no tools here (refused by the field table)
 
-    def prompt(self, body: p.ResponsesRequest, ext: p.KvbatonExtension) -> tuple[Any, list[dict[str, Any]] | None]:
-        items: list[Any] = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-        messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        for item in items:
-            if not isinstance(item, dict) or item.get("type", "message") != "message":
-                kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-                raise InvalidRequest(f"only message input items are supported, got {kind!r}", param="input")
-            messages.append({"role": item.get("role"), "content": item.get("content")})
-        return openai_messages(messages), None
+    def prompt(self, body: p.ResponsesRequest,
+               ext: p.KvbatonExtension) -> tuple[list[Any], list[dict[str, Any]] | None]:
+        return [responses_messages(body.input, body.instructions)], None
 
     def answer(self, plan: Plan, results: Sequence[Result], kept: list[str | None]) -> dict[str, Any]:
-        result, counts = results[0], usage(results)
+        result, counts = results[0], usage(results)  # one choice: what is returned is what is counted
         complete = result.finish_reason == "stop"
         return {
             "id": plan.id, "object": self.object, "created_at": plan.created, "model": plan.model,
@@ -559,25 +526,6 @@ class ResponsesServing(ChatServing):
         }
 
 
-# -- tools -----------------------------------------------------------------------------------------
-
-
-def tool_plan(plan: Plan, tool_choice: Any) -> Plan:
-    """``plan`` with its tools' names to parse answers for, and, when ``tool_choice`` requires a call,
-    every choice constrained to one call of the allowed tools (:func:`kvbaton.tools.tool_call_format`)."""
-    tools = plan.tools or []
-    required = required_tools(tools, tool_choice) if tool_choice != "none" else None
-    plan.tool_names = tool_names(tools)
-    if required is None:
-        return plan
-    if any(params.response_format is not None and params.response_format.type != "text" for params in plan.params):
-        raise InvalidRequest("response_format cannot be combined with a tool_choice that requires a call")
-    fmt = tool_call_format(required)
-    plan.params = [params.model_copy(update={"response_format": fmt}) for params in plan.params]
-    plan.forced = tool_names(required)[0] if len(required) == 1 else None
-    return plan
-
-
 # -- routes ----------------------------------------------------------------------------------------
 
 
@@ -589,25 +537,26 @@ def _model_card(state: ServerState, name: str) -> dict[str, Any]:
 
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
-    oa: dict[str, Any] = {"tags": ["openai"], "responses": STREAM_RESPONSES}
+    oa: dict[str, Any] = {"tags": ["openai"], "response_model": None}
     chat, completion, responses = ChatServing(state), CompletionServing(state), ResponsesServing(state)
 
-    @app.get("/v1/models", tags=["openai"])
+    @app.get("/v1/models", tags=["openai"], response_model=p.ModelList)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(state, name) for name in state.model_names]}
 
-    @app.get("/v1/models/{model_id:path}", tags=["openai"], responses=ERROR_RESPONSES)
+    @app.get("/v1/models/{model_id:path}", tags=["openai"], responses=ERROR_RESPONSES, response_model=p.ModelCard,
+             response_model_exclude_none=True)
     async def model(model_id: str) -> dict[str, Any]:
         if model_id not in state.model_names:
-            raise ModelNotFound(f"the model {model_id!r} does not exist: this server serves "
-                                f"{', '.join(map(repr, state.model_names))}", param="model")
+            raise ModelNotFound(f"The model '{model_id}' does not exist: this server serves "
+                                f"{', '.join(map(repr, state.model_names))}.", param="model")
         return _model_card(state, model_id)
 
-    @app.post("/v1/chat/completions", **oa)
+    @app.post("/v1/chat/completions", **oa, responses=stream_responses(p.ChatCompletion, p.ChatCompletionChunk))
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Any:
         return await chat.handle(body, request)
 
-    @app.post("/v1/completions", **oa)
+    @app.post("/v1/completions", **oa, responses=stream_responses(p.Completion, p.Completion))
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
         return await completion.handle(body, request)
 
@@ -618,7 +567,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         released = await state.run(state.release_session, request_tenant(request), session_id)
         return p.SessionReleased(session=session_id, released=released)
 
-    @app.post("/v1/responses", tags=["openai"], responses=ERROR_RESPONSES)
+    @app.post("/v1/responses", **oa, responses={**ERROR_RESPONSES, 200: {"model": p.ResponseObject}})
     async def create_response(body: p.ResponsesRequest, request: Request) -> Any:
         """The Responses API, text only, not streamed (``docs/server.md#responses-api``)."""
         return await responses.handle(body, request)

@@ -3,9 +3,14 @@
 ``StreamDriver`` pulls token streams one step per worker-thread call (the event loop never waits on
 the model) and asks a ``StreamEvents`` what to say at each point: before a stream, per chunk, after a
 stream, at the end, on error. The native streams (``event: chunk``... ``event: result``), OpenAI
-chat and OpenAI completions differ only in their ``StreamEvents``.
+chat and OpenAI completions differ only in their ``StreamEvents``. The streams of one response (an
+OpenAI request's choices) are pulled in rounds (:func:`rounds`): every live stream's next chunk at
+once, one worker call each, so the engine batches their steps, and their chunks are said in the
+order they come, interleaved. A whole (not streamed) answer runs the same rounds (:func:`run_whole`).
 
-Invariants: streams are opened and primed (run to their first chunk) before the response starts,
+Invariants: a server that drains (``ServerState.draining``, on SIGTERM) ends every generation at its
+next round with ``ServerUnavailable`` (in-band once a stream has started), so none is cancelled
+mid-answer; streams are opened and primed (run to their first chunk) before the response starts,
 so admission errors (quota, pool exhausted) are still plain HTTP errors; once it has started, a
 failure is reported in-band. Ownership, the same for every kind of stream: a stream's result handle
 is recorded for the tenant the moment it exists, and the response hands the results over once
@@ -17,10 +22,13 @@ path, also when the generator never started.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+from kvbaton.errors import ServerUnavailable
 from kvbaton.stream import TokenStream
 from kvbaton.types import Result, StreamChunk
 from starlette.responses import StreamingResponse
@@ -35,6 +43,7 @@ if TYPE_CHECKING:
 # Runs a blocking call in a worker thread (``ServerState.run``).
 Runner = Callable[..., Awaitable[Any]]
 Streams = tuple[list[TokenStream], list[StreamChunk | None]]
+T = TypeVar("T")
 
 _END = object()
 
@@ -51,13 +60,15 @@ class EventStreamResponse(StreamingResponse):
     away mid-stream or before the first event."""
 
     def __init__(self, events: AsyncIterator[str], headers: dict[str, str] | None = None,
-                 cleanup: Callable[[], Awaitable[None]] | None = None) -> None:
+                 cleanup: Callable[[], Awaitable[None]] | None = None,
+                 closed: Callable[[], None] | None = None) -> None:
         super().__init__(
             events, media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._events = events
         self._cleanup = cleanup
+        self._closed = closed  # called once the response ends (stops counting it among the open streams)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -67,8 +78,12 @@ class EventStreamResponse(StreamingResponse):
                 aclose = getattr(self._events, "aclose", None)
                 if aclose is not None:
                     await aclose()
-                if self._cleanup is not None:
-                    await self._cleanup()
+                try:
+                    if self._cleanup is not None:
+                        await self._cleanup()
+                finally:
+                    if self._closed is not None:
+                        self._closed()
 
 
 def close_all(streams: Iterable[TokenStream]) -> None:
@@ -93,6 +108,87 @@ def open_primed(openers: Iterable[Callable[[], TokenStream]]) -> tuple[list[Toke
         raise
 
 
+async def run_each(run: Runner, calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Every call at once, each in its own worker call (so the engine batches their model steps);
+    their values in order. A failure is raised once every call has returned (a worker thread cannot
+    be cancelled), as itself when it is the only one."""
+    out: list[Any] = [None] * len(calls)
+
+    async def one(k: int, call: Callable[[], T]) -> None:
+        out[k] = await run(call)
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            for k, call in enumerate(calls):
+                tasks.start_soon(one, k, call)
+    except BaseExceptionGroup as group:
+        raise only_error(group) from None
+    return out
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A stream's end, with its result."""
+
+    result: Result
+
+
+async def rounds(state: ServerState, streams: Sequence[TokenStream],
+                 firsts: Sequence[StreamChunk | None]) -> AsyncIterator[tuple[int, StreamChunk | Ended]]:
+    """What primed ``streams`` (their first chunks ``firsts``) say, in rounds: each round, every live
+    stream's next chunk, pulled at once (one worker call each, so the engine batches their steps), is
+    given in stream order, then each stream that ended, as :class:`Ended`. A server that is shutting
+    down (``state.draining``) ends them at the next round with ``ServerUnavailable``."""
+    items: dict[int, StreamChunk | object | None] = dict(enumerate(firsts))
+    live = list(range(len(streams)))
+    while live:
+        for i in live:
+            item = items[i]
+            if isinstance(item, StreamChunk):
+                yield i, item
+        ended = [i for i in live if not isinstance(items[i], StreamChunk)]
+        live = [i for i in live if i not in ended]
+        for i in ended:
+            result = streams[i].result
+            assert result is not None
+            yield i, Ended(result)
+        if live:
+            if state.draining:
+                raise ServerUnavailable("the server is shutting down: this generation ends here; retry when it is "
+                                        "back")
+            pulls = [functools.partial(next, streams[i], _END) for i in live]
+            items.update(zip(live, await run_each(state.run, pulls)))
+
+
+async def run_whole(state: ServerState, open_streams: Callable[[], Streams]) -> list[Result]:
+    """A whole (not streamed) answer's generations: the streams ``open_streams`` opens and primes (in
+    a worker thread), run to their ends at once (:func:`rounds`); their results in order. On any
+    failure (or cancellation) every stream is closed and what the ended ones made is released."""
+    streams, firsts = await state.run(open_streams)
+    results: dict[int, Result] = {}
+    try:
+        async for i, item in rounds(state, streams, firsts):
+            if isinstance(item, Ended):
+                results[i] = item.result
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await state.run(_abandon, state, streams)
+        raise
+    return [results[i] for i in range(len(streams))]
+
+
+def _abandon(state: ServerState, streams: Sequence[TokenStream]) -> None:
+    close_all(streams)
+    state.release_quietly([s.result.handle.id for s in streams if s.result is not None])
+
+
+def only_error(exc: BaseException) -> BaseException:
+    """The one error inside an exception group (of concurrent calls), else the group itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 class StreamEvents:
     """What one kind of stream says at each point of :func:`drive` (SSE text, possibly nothing)."""
 
@@ -104,7 +200,7 @@ class StreamEvents:
         raise NotImplementedError
 
     def closing(self, index: int, result: Result, last: bool) -> list[str]:
-        """After stream ``index`` ended with ``result`` (``last``: no stream follows)."""
+        """After stream ``index`` ended with ``result`` (``last``: it is the last of them to end)."""
         return []
 
     def finish(self, results: list[Result]) -> list[str]:
@@ -126,28 +222,29 @@ class StreamDriver:
         self.handed_over = False
 
     async def events(self) -> AsyncIterator[str]:
-        """The events of the streams, one after the other."""
-        run = self.state.run
+        """The events of the streams, interleaved as their chunks come: every live stream is pulled
+        at once (one worker call each, so the engine batches their steps), and what each has is said
+        in stream order, round after round."""
         try:
-            results: list[Result] = []
-            for i, (stream, item) in enumerate(zip(self.streams, self.firsts)):
+            for i in range(len(self.streams)):
                 for text in self.spec.opening(i):
                     yield text
-                while item is not None and item is not _END:
+            results: dict[int, Result] = {}
+            async for i, item in rounds(self.state, self.streams, self.firsts):
+                if isinstance(item, StreamChunk):
                     for text in self.spec.chunk(i, item):
                         yield text
-                    item = await run(next, stream, _END)
-                assert stream.result is not None
-                self.state.record(self.tenant, [stream.result.handle])  # owned before anything more is sent
-                results.append(stream.result)
-                for text in self.spec.closing(i, stream.result, i == len(self.streams) - 1):
+                    continue
+                await self.state.recorded(self.tenant, [item.result.handle])  # owned before anything more is sent
+                results[i] = item.result
+                for text in self.spec.closing(i, item.result, len(results) == len(self.streams)):
                     yield text
-            texts = await run(self.spec.finish, results)
+            texts = await self.state.run(self.spec.finish, [results[i] for i in range(len(self.streams))])
             self.handed_over = True
             for text in texts:
                 yield text
         except Exception as exc:  # the response has started: report in-band
-            yield self.spec.error(in_band_error(exc, self.state.healthy))
+            yield self.spec.error(in_band_error(only_error(exc), self.state.healthy))
 
     def settle(self) -> None:
         """Close every stream; unless the results were handed over, release every handle the streams
@@ -168,11 +265,18 @@ class StreamDriver:
 async def stream_response(state: ServerState, tenant: str, open_streams: Callable[[], Streams],
                           events: StreamEvents, admission: Admission) -> EventStreamResponse:
     """Open and prime the streams (in a worker thread) and answer with their events; ``admission``
-    (the tenant's quota for what they make) closes when the response is done, or now on failure."""
+    (the tenant's quota for what they make) closes when the response is done, or now on failure.
+    The response counts as one of the tenant's open streams (429 at once beyond its limit)."""
     try:
-        streams, firsts = await state.run(open_streams)
+        closed = state.concurrency.open_stream(tenant)
     except BaseException:
         admission.close()
         raise
+    try:
+        streams, firsts = await state.run(open_streams)
+    except BaseException:
+        closed()
+        admission.close()
+        raise
     driver = StreamDriver(state, tenant, streams, firsts, events, admission)
-    return EventStreamResponse(driver.events(), cleanup=driver.cleanup)
+    return EventStreamResponse(driver.events(), cleanup=driver.cleanup, closed=closed)

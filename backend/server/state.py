@@ -1,53 +1,97 @@
 """``ServerState``: everything the endpoints share — the engine, tenancy, limits, metrics, threads.
 
-The engine is any :class:`kvbaton.ops.EngineOps` (``Engine``, ``Cluster``, ``SglangEngine``); the
-state calls it directly. Invariants: engine calls block, so endpoints make them through ``run`` (a
-bounded pool of worker threads), never on the event loop; every handle a request makes is recorded
-for its tenant as soon as it exists (``record``), and every release goes through the state so that
-owners and agent slots forget the id; a request is admitted within its tenant's quota (``admit``)
-before the engine runs it; every operation naming a handle restarts its idle time (``check_owned``),
-and ``sweep`` releases handles idle longer than the TTL; the engine gets every tenant's hints at
-once, and a tenant's stats show only its own agents; on a multi-tenant server a request's
-cross-prefix reuse places only its own tenant's spans (unless shared explicitly), and where the engine
-cannot scope them every request runs ``"exact"``; a request reuses only its own tenant's prefix-cache
-blocks (unless shared explicitly), and an engine that cannot keep them apart is refused. With a persistent engine (``Engine(persist=True)``),
-``record``, ``retained`` and every release also go to its handle journal (:mod:`..persist`), durably
-before the answer, and the journal's handles are their tenants' (and their slots') again at start.
+The engine is any :class:`..hosting.HostedEngine` (``Engine``, ``Cluster``, ``SglangEngine``); the
+state calls it directly, through that contract only. Invariants: engine calls block, so endpoints
+make them through ``run`` (a bounded pool of worker threads), never on the event loop; every handle
+a request makes is recorded for its tenant as soon as it exists (``record``), and every release goes
+through the state so that owners and agent slots forget the id; a request is admitted within its
+tenant's quota (``admit``) before the engine runs it; every operation naming a handle restarts its
+idle time (``check_owned``), and ``sweep`` releases handles idle longer than the TTL; the engine gets
+every tenant's hints at once, and a tenant's stats show only its own agents; on a multi-tenant
+server a request's cross-prefix reuse places only its own tenant's spans (unless shared
+explicitly), and where the engine cannot partition them every request runs ``"exact"``; a request
+reuses only its own tenant's prefix-cache blocks (unless shared explicitly), and an engine that
+cannot keep them apart is refused (both are the engine's :class:`..tenants.TenantPartition`, set
+once here; the tenant travels with each request as an :class:`..tenants.AgentRef`). With a
+persistent engine (``Engine(persist=True)``), ``record``, ``retained`` and every release also go to
+its handle journal (:mod:`..cache.persist`), durably before the answer (the event loop awaits the
+journal's commit, ``recorded``: it never waits on the disk itself), and the journal's handles are
+their tenants' (and their slots') again at start. While the journal cannot be written the server is
+``degraded``: the requests that make handles fail with 503 ``server_unavailable`` (their handles
+released), every other request is served.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import anyio.to_thread
+from kvbaton import serverconf as conf
 from kvbaton.client import sampling_params
 from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest, ServerUnavailable
 from kvbaton.handle import Handle
-from kvbaton.ops import EngineOps, check_reuse, ste_map
+from kvbaton.ops import check_reuse, ste_map
 from kvbaton.types import Event, Events, Reuse, SamplingParams, Stats
 
-from .. import protocol as p
-from ..block_pool import blocks_for_budget
+from ..cache.block_pool import blocks_for_budget
+from ..cache.persist import COMMIT_TIMEOUT_S
+from ..hosting import HostedEngine
+from ..tenants import AgentRef, TenantPartition
+from . import protocol as p
+from .concurrency import Concurrency
+from .eventviews import EventViews
 from .metrics import Metrics
-from ..persist import Journal
-from .tenancy import SINGLE_TENANT, Admission, AgentNames, AgentSlots, Owners, Quota, SlotKey
+from .tenancy import SINGLE_TENANT, Admission, AgentNames, AgentSlots, Owners, Quota, RegisteredAgents, SlotKey
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+def check_limits(
+    *, max_tokens: int | None = None, default_max_tokens: int = 1, max_n: int = 1, max_agents: int = 1,
+    threads: int = 1, max_handles_per_tenant: int | None = None, max_kv_bytes_per_tenant: int | str | None = None,
+    max_handle_tokens_per_tenant: int | None = None, handle_ttl: float | None = None, reuse: Reuse | None = None,
+    served_model_names: Sequence[str] | None = None, max_requests: int | None = None,
+    max_requests_per_tenant: int | None = None, max_streams: int | None = None,
+    max_streams_per_tenant: int | None = None, max_registered_agents: int | None = None,
+    max_fidelity_tokens: int | None = None,
+) -> None:
+    """``InvalidRequest`` naming the first of the server's limits that is out of range; needs no
+    engine (``kvbaton serve`` checks them before loading the model). ``None`` or 0 is "no limit"
+    where a limit may be off."""
+    for name, value, least in (("default_max_tokens", default_max_tokens, 1), ("max_n", max_n, 1),
+                               ("max_agents", max_agents, 0), ("threads", threads, 1)):  # 0 agents: retain none
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InvalidRequest(f"{name} must be an integer >= {least}, got {value!r}", param=name)
+    for name, value in (("max_tokens", max_tokens), ("max_handles_per_tenant", max_handles_per_tenant),
+                        ("max_handle_tokens_per_tenant", max_handle_tokens_per_tenant), ("max_requests", max_requests),
+                        ("max_requests_per_tenant", max_requests_per_tenant), ("max_streams", max_streams),
+                        ("max_streams_per_tenant", max_streams_per_tenant),
+                        ("max_registered_agents", max_registered_agents), ("max_fidelity_tokens", max_fidelity_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise InvalidRequest(f"{name} must be an integer >= 0 (0: no limit), got {value!r}", param=name)
+    if max_kv_bytes_per_tenant:
+        blocks_for_budget(max_kv_bytes_per_tenant, 1)  # the format; its blocks need the engine's block size
+    if handle_ttl is not None and not handle_ttl > 0:
+        raise InvalidRequest(f"the handle TTL must be > 0 seconds, got {handle_ttl}", param="handle_ttl")
+    check_reuse(reuse)
+    if served_model_names is not None and (not served_model_names or not all(served_model_names)):
+        raise InvalidRequest("served model names must be non-empty")
+
+
+LIMITS = frozenset(inspect.signature(check_limits).parameters)
+
+
 def ref_id(ref: p.HandleRef) -> str:
     return ref.id if isinstance(ref, Handle) else ref
-
-
-def _one_scope(agent: str | None) -> str:
-    """Every request's spans in one scope: all tenants share them (``--shared-spans``)."""
-    return ""
 
 
 class ServerState:
@@ -55,7 +99,7 @@ class ServerState:
 
     def __init__(
         self,
-        engine: EngineOps,
+        engine: HostedEngine,
         *,
         tenants: Mapping[str, str],
         max_tokens: int | None,
@@ -72,21 +116,25 @@ class ServerState:
         shared_spans: bool = False,
         shared_prefix_cache: bool = False,
         served_model_names: Sequence[str] | None = None,
-        journal: Journal | None = None,
+        concurrency: Concurrency | None = None,
+        max_registered_agents: int | None = conf.DEFAULT_MAX_REGISTERED_AGENTS,
+        max_fidelity_tokens: int | None = conf.DEFAULT_MAX_FIDELITY_TOKENS,
     ) -> None:
+        check_limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n, max_agents=max_agents,
+                     threads=threads, max_handles_per_tenant=max_handles_per_tenant,
+                     max_kv_bytes_per_tenant=max_kv_bytes_per_tenant,
+                     max_handle_tokens_per_tenant=max_handle_tokens_per_tenant, handle_ttl=handle_ttl, reuse=reuse,
+                     served_model_names=served_model_names, max_registered_agents=max_registered_agents,
+                     max_fidelity_tokens=max_fidelity_tokens)
         self.engine = engine
         self.tenants = tenants
         self.multi_tenant = bool(tenants)
         self.names = AgentNames(self.multi_tenant)
-        check_reuse(reuse)
-        self.default_reuse: Reuse = reuse or getattr(engine, "reuse", None) or "exact"
-        self.cross_prefix = self._scope_spans(shared_spans)
-        self._scope_prefix_cache(shared_prefix_cache)
+        self.default_reuse: Reuse = reuse or engine.default_reuse
+        self.cross_prefix = self._partition(shared_spans, shared_prefix_cache)
         first = engine.stats()
-        if served_model_names is not None and (not served_model_names or not all(served_model_names)):
-            raise InvalidRequest("served model names must be non-empty")
         # The names the OpenAI routes report (the first in answers); the engine's own name by default.
-        self.model_names: list[str] = list(served_model_names or [first.model])
+        self.model_names: list[str] = list(served_model_names or [engine.model_name])
         self.model = self.model_names[0]
         self.max_context: int | None = engine.max_context
         # max_tokens caps every request (default: the model's context); default_max_tokens applies to
@@ -95,8 +143,6 @@ class ServerState:
         self.default_max_tokens = min(default_max_tokens, self.max_tokens)
         self.max_n = max_n
         self.threads = threads
-        if handle_ttl is not None and handle_ttl <= 0:
-            raise InvalidRequest(f"the handle TTL must be > 0 seconds, got {handle_ttl}")
         self.handle_ttl = handle_ttl
         self.owners = Owners(Quota(
             max_handles=max_handles_per_tenant or None,
@@ -106,64 +152,65 @@ class ServerState:
             max_handle_tokens=max_handle_tokens_per_tenant or None,
         ))
         self.slots = AgentSlots(max_agents)
+        self.registered = RegisteredAgents(max_registered_agents or None)
         # A persistent engine's handles of an earlier run: their tenants own them again.
-        self.journal = journal
-        for entry in journal.live() if journal is not None else ():
+        self.journal = engine.persistence.journal if engine.persistence is not None else None
+        for entry in self.journal.live() if self.journal is not None else ():
             tenant = entry.owner or SINGLE_TENANT
             self.owners.add(tenant, [(entry.handle.id, entry.handle.num_tokens)])
             if entry.slot is not None:
                 self.slots.slot((tenant, entry.session, entry.slot)).replace(entry.handle.id)
-        self.metrics = Metrics(engine.stats, engine.events, self._tenant_and_agent)
+        # Requests in flight and open streams (create_app's limits; by default the threads' own).
+        self.concurrency = concurrency or Concurrency.of_server(
+            threads=threads, tenants=len(set(tenants.values())), max_requests=None, per_tenant=None,
+            max_streams=conf.DEFAULT_MAX_STREAMS, max_streams_per_tenant=conf.DEFAULT_MAX_STREAMS_PER_TENANT)
+        self.max_fidelity_tokens = max_fidelity_tokens or None
+        self.views = EventViews(engine.events, self._route_event, renumber=self.multi_tenant)
+        self.metrics = Metrics(engine.stats, engine.events, self._tenant_and_agent, usage=self.usage)
         self._hints_lock = threading.Lock()
         self._hints: dict[str, dict[str, float]] = {}  # tenant -> {engine agent name: steps}
         self._limiter: anyio.CapacityLimiter | None = None
+        # Set when the server begins to shut down: generations in flight end at their next token
+        # (503 server_unavailable, in-band for a stream) instead of being cancelled mid-answer.
+        self.draining = False
 
-    def _scope_spans(self, shared: bool) -> bool:
-        """Keep each tenant's spans to itself (``engine.span_scope``); whether cross-prefix reuse may
-        run at all: not on a multi-tenant server whose engine cannot scope its spans (a ``Cluster``:
-        each worker keeps its own index), unless spans are ``shared`` across tenants explicitly."""
-        if not self.multi_tenant:
-            return True  # one tenant: the engine's own scoping (by default one scope)
-        if shared:
-            if hasattr(self.engine, "span_scope"):
-                self.engine.span_scope = _one_scope
-            return True
-        if not hasattr(self.engine, "span_scope"):
-            if self.default_reuse != "exact":
-                log.warning("cross-prefix reuse is off: this engine (%s) cannot keep tenants' spans apart; "
-                            "--shared-spans allows it across tenants", type(self.engine).__name__)
-            return False
-        self.engine.span_scope = self.names.span_scope
-        return True
+    def _partition(self, shared_spans: bool, shared_prefix_cache: bool) -> bool:
+        """Set the engine's tenant partition; whether cross-prefix reuse may run at all.
 
-    def _scope_prefix_cache(self, shared: bool) -> None:
-        """With several tenants, keep each tenant's prefix-cache blocks to itself (a tenant must not
-        learn from its reuse, or its time to first token, what another sent), unless ``shared``; an
-        engine that cannot is refused rather than silently shared. Set either way: the engine may
-        have served another app before."""
-        isolate = len(set(self.tenants.values())) > 1 and not shared  # one token: one tenant, nothing to keep apart
-        scope = getattr(self.engine, "isolate_prefix_cache", None)
-        if scope is not None:
-            scope(isolate)
-        elif isolate:
+        With several tenants each keeps its prefix-cache blocks to itself (a tenant must not learn
+        from its reuse, or its time to first token, what another sent) unless ``shared_prefix_cache``:
+        an engine that cannot is refused rather than silently shared. With tokens each tenant's
+        requests place only its own spans unless ``shared_spans``: where the engine cannot keep them
+        apart (a ``Cluster``), cross-prefix reuse is off. Set either way: the engine may have served
+        another app before."""
+        cache = len(set(self.tenants.values())) > 1 and not shared_prefix_cache  # one token: nothing to keep apart
+        spans = self.multi_tenant and not shared_spans
+        possible = self.engine.partitionable
+        if cache and not possible.prefix_cache:
             raise InvalidRequest(
                 f"this engine ({type(self.engine).__name__}) cannot keep tenants' prefix caches apart: serve one "
                 "token, or share the prefix cache across tenants explicitly (--shared-prefix-cache)"
             )
+        cross_prefix = not spans or possible.spans
+        if not cross_prefix and self.default_reuse != "exact":
+            log.warning("cross-prefix reuse is off: this engine (%s) cannot keep tenants' spans apart; "
+                        "--shared-spans allows it across tenants", type(self.engine).__name__)
+        self.engine.partition_tenants(TenantPartition(prefix_cache=cache, spans=spans and cross_prefix))
+        return cross_prefix
 
-    def _tenant_and_agent(self, engine_name: str) -> tuple[str, str]:
-        """The (tenant id, the tenant's own agent name) of an engine agent name ("": none), for metric
-        labels; with several tokens, tenant "unknown" for a name without a tenant part (not a request's)."""
+    def _tenant_and_agent(self, label: str) -> tuple[str, str]:
+        """The (tenant id, the tenant's own agent name) of an agent as the engine shows it ("": none), for
+        metric labels; with tokens, tenant "unknown" for one without a tenant (not a request's)."""
         if not self.multi_tenant:
-            return SINGLE_TENANT, engine_name
-        tenant = self.names.span_scope(engine_name)
-        if tenant is None:
-            return "unknown", engine_name
-        return tenant, engine_name[len(tenant) + 1:]
+            return SINGLE_TENANT, label
+        ref = AgentRef.parse(label)
+        if ref.tenant is None:
+            return "unknown", label
+        return ref.tenant, ref.name or ""
 
     def reuse(self, requested: Reuse | None) -> Reuse:
         """The reuse policy a request runs with: its own, else the server's default; always ``"exact"``
-        where cross-prefix reuse is off (see ``_scope_spans``)."""
+        where cross-prefix reuse is off (see ``_partition_spans``)."""
         return (requested or self.default_reuse) if self.cross_prefix else "exact"
 
     # -- threads ------------------------------------------------------------------------------
@@ -180,18 +227,41 @@ class ServerState:
 
     def record(self, tenant: str, handles: Iterable[Handle], durable: bool = True) -> None:
         """The tenant owns these handles; ``durable``: journaled too (persistence), before the client hears
-        of them. Handles released right after (a dropped stream's) need not be."""
+        of them. Handles released right after (a dropped stream's) need not be. Waits for the journal:
+        call it in a worker thread (the event loop awaits :meth:`recorded`)."""
         handles = list(handles)
-        self.owners.add(tenant, [(h.id, h.num_tokens) for h in handles])
-        if durable and self.journal is not None:  # durable before the client hears of the handles
+        pending = self._own(tenant, handles, durable)
+        if pending is not None and self.journal is not None:
             try:
-                self.journal.add(tenant, handles)
-            except OSError as exc:  # a full disk: refuse, rather than hand out handles a restart would lose
-                self.release_quietly([h.id for h in handles])
-                raise ServerUnavailable(
-                    f"the handle journal cannot be written ({exc.strerror or exc}): the request's handles were "
-                    "released; retry later"
-                ) from exc
+                self.journal.wait(pending)
+            except OSError as exc:
+                self._unjournaled(handles, exc)
+
+    async def recorded(self, tenant: str, handles: Iterable[Handle]) -> None:
+        """:meth:`record` (durable) on the event loop: awaits the journal's commit, blocking neither the
+        loop nor a worker thread while the journal's writer writes."""
+        handles = list(handles)
+        pending = self._own(tenant, handles, True)
+        if pending is None:
+            return
+        try:
+            with anyio.fail_after(COMMIT_TIMEOUT_S, shield=True):  # a cancelled request still learns the outcome
+                await asyncio.wrap_future(pending)
+        except (OSError, TimeoutError) as exc:
+            await self.run(self._unjournaled, handles, exc)
+
+    def _own(self, tenant: str, handles: list[Handle], durable: bool) -> concurrent.futures.Future[None] | None:
+        """The tenant owns the handles now; their journal commit, when they are to be journaled."""
+        self.owners.add(tenant, [(h.id, h.num_tokens) for h in handles])
+        if not durable or self.journal is None:
+            return None
+        return self.journal.submit_add(tenant, handles)
+
+    def _unjournaled(self, handles: list[Handle], exc: BaseException) -> NoReturn:
+        """Refuse, rather than hand out handles a restart would lose: release them, answer 503."""
+        self.release_quietly([h.id for h in handles])
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or "the handle journal timed out"
+        raise ServerUnavailable(f"{why}: the request's handles were released; retry later") from exc
 
     def retained(self, key: SlotKey, handle_id: str) -> None:
         """The agent's slot ``key`` now retains ``handle_id`` (journaled: the slot holds it again after a restart)."""
@@ -249,6 +319,11 @@ class ServerState:
         """Whether the engine can serve now, and why (not)."""
         return self.engine.healthy()
 
+    def degraded(self) -> str | None:
+        """Why only part of the requests can be served now (None: all can): the handle journal cannot be
+        written, so the requests that make handles fail until it can."""
+        return self.journal.failure if self.journal is not None else None
+
     def release_all(self, tenant: str) -> int:
         """Release every live handle of the tenant, those its agents' slots retain included."""
         for slot in self.slots.tenant_slots(tenant):
@@ -264,9 +339,36 @@ class ServerState:
         return len(ids)
 
     # -- agents -------------------------------------------------------------------------------
-    def agent(self, tenant: str, agent: str | None) -> str | None:
-        """The engine's name of a tenant's agent: tenants share the engine, not agent names."""
-        return self.names.engine_name(tenant, agent)
+    def registered_agent(self, tenant: str, agent: AgentRef | None) -> None:
+        """The tenant registered ``agent``: beyond its limit its least recently registered agents are
+        unregistered from the engine (:class:`.tenancy.RegisteredAgents`)."""
+        if agent is None:
+            return
+        for dropped in self.registered.add(tenant, agent):
+            self.engine.unregister_agent(dropped)
+
+    def unregister_agent(self, tenant: str, name: str) -> bool:
+        """Unregister the tenant's agent ``name``; whether the tenant had registered it."""
+        agent = self.agent(tenant, name)
+        if agent is None or not self.registered.remove(tenant, agent):
+            return False
+        self.engine.unregister_agent(agent)
+        return True
+
+    def check_fidelity(self, max_tokens: int) -> None:
+        """``InvalidRequest`` unless a fidelity check of ``max_tokens`` generated tokens stays within
+        ``max_fidelity_tokens``: it holds both sides' logits over the whole vocabulary for every one of
+        them on the host (about 1 MiB a token with the default model)."""
+        if self.max_fidelity_tokens is not None and max_tokens > self.max_fidelity_tokens:
+            raise InvalidRequest(
+                f"a fidelity check of {max_tokens} tokens is over the server's limit of {self.max_fidelity_tokens} "
+                "(--max-fidelity-tokens): it keeps full logits of every token", param="max_tokens"
+            )
+
+    def agent(self, tenant: str, agent: str | None, session: str | None = None) -> AgentRef | None:
+        """Whose a tenant's request is, for the engine: tenants share the engine, not agent names; its
+        ``session`` bounds the request's approximate reuse."""
+        return self.names.agent(tenant, agent, session)
 
     def stats(self, tenant: str) -> Stats:
         """The engine's stats with the tenant's own agents only, by their own names (per-agent stats
@@ -293,31 +395,49 @@ class ServerState:
         return stats.model_copy(update=update)
 
     def events(self, tenant: str, since: int) -> Events:
-        """The engine's events after ``since`` that are the tenant's, by its own agent names: on a
-        multi-tenant server, requests of its agents (agentless ones when it made their handle), and the
-        shared pool's evictions with only its own agents' steps-to-execution; ``next`` is the
-        engine's, so a tenant pages through the same sequence numbers."""
-        page = self.engine.events(since)
+        """The tenant's events after ``since``: the engine's new events are routed first (calls the
+        engine: off the event loop). On a multi-tenant server, requests of its agents (agentless ones
+        when it made their handle), and the shared pool's evictions with only its own agents'
+        steps-to-execution, numbered in the tenant's own sequence (:mod:`.eventviews`)."""
+        self.views.pump()
+        return self.views.page(tenant, since)
+
+    def _route_event(self, event: Event) -> list[tuple[str, Event]]:
+        """Whose ``event`` is, and how each of them sees it (:class:`.eventviews.EventViews`' route)."""
         if not self.multi_tenant:
-            return page
-        made = self.owners.mine(tenant, [e.handle_out for e in page.events if e.agent is None and e.handle_out])
-        mine: list[Event] = []
-        for event in page.events:
-            if event.kind == "evict":
-                ste = {own: v for a, v in event.steps_to_execution.items() if (own := self.names.own_name(tenant, a))}
-                # The pool is shared: every tenant sees evictions (as it sees the pool's counters in
-                # stats), but only its own agents' steps-to-execution.
-                mine.append(event.model_copy(update={"steps_to_execution": ste}))
-            elif event.agent is None:
-                if event.handle_out in made:
-                    mine.append(event.model_copy(update={"tenant": tenant}))
-            elif (own := self.names.own_name(tenant, event.agent)) is not None:  # "": its agentless request
-                mine.append(event.model_copy(update={"agent": own or None, "tenant": tenant}))
-        return page.model_copy(update={"events": mine})
+            return [(SINGLE_TENANT, event)]
+        if event.kind == "evict":
+            # The pool is shared: every tenant sees evictions (as it sees the pool's counters in stats),
+            # but only its own agents' steps-to-execution.
+            out = []
+            for tenant in sorted(set(self.tenants.values())):
+                ste = {own: v for a, v in event.steps_to_execution.items()
+                       if (own := self.names.own_name(tenant, a))}
+                out.append((tenant, event.model_copy(update={"steps_to_execution": ste})))
+            return out
+        if event.agent is None:
+            owner = self.owners.owner(event.handle_out) if event.handle_out else None
+            return [(owner, event.model_copy(update={"tenant": owner}))] if owner is not None else []
+        ref = AgentRef.parse(event.agent)
+        if ref.tenant is None:
+            return []
+        return [(ref.tenant, event.model_copy(update={"agent": ref.name or None, "tenant": ref.tenant}))]
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """What each tenant holds now, for the metrics (:data:`.metrics.TENANT_GAUGES`)."""
+        tenants = set(self.tenants.values()) or {SINGLE_TENANT}
+        out = {}
+        for tenant in sorted(tenants | set(self.concurrency.tenants())):
+            handles, tokens = self.owners.holding(tenant)
+            running, waiting, streams = self.concurrency.usage(tenant)
+            out[tenant] = {"handles_live": handles, "handle_tokens": tokens, "requests_running": running,
+                           "requests_waiting": waiting, "streams_open": streams,
+                           "agents_registered": self.registered.count(tenant)}
+        return out
 
     def hints(self, tenant: str, steps: Mapping[str, float], running: Sequence[str]) -> dict[str, float]:
         """Set the tenant's steps-to-execution; the engine gets every tenant's hints together."""
-        mine = {name: v for a, v in ste_map(steps, running).items() if a and (name := self.agent(tenant, a)) is not None}
+        mine = {ref.label: v for a, v in ste_map(steps, running).items() if a and (ref := self.agent(tenant, a))}
         with self._hints_lock:
             merged = {a: v for t, hs in self._hints.items() if t != tenant for a, v in hs.items()}
             merged.update(mine)
@@ -329,5 +449,6 @@ class ServerState:
         """Validated sampling parameters within the server's ``max_tokens`` cap."""
         params = sampling_params(None, dict(fields))
         if params.max_tokens > self.max_tokens:
-            raise InvalidRequest(f"max_tokens {params.max_tokens} exceeds the server's limit of {self.max_tokens}")
+            raise InvalidRequest(f"Invalid value for 'max_tokens': {params.max_tokens} exceeds the server's limit of "
+                                 f"{self.max_tokens}.", param="max_tokens")
         return params

@@ -3,13 +3,14 @@ their agents retains.
 
 Each bearer token is a tenant (``tenant_map``); without tokens everything is one tenant. Invariants:
 a tenant sees only the handles it made (``Owners``: any other id is ``HandleNotFound``, exactly as an
-unknown one); tenants share the engine but not agent names (``AgentNames``: tenant ``t``'s agent
-``a`` is ``t/a`` in the engine, its agentless requests ``t/``), nor the spans that cross-prefix reuse
-places (``AgentNames.span_scope``, unless the server shares them explicitly), nor the prefix cache (the
-engine's ``isolate_prefix_cache``, scoped by the same tenant part, unless shared explicitly); a tenant's live handles, plus those its requests in flight may
-make, stay within its ``Quota`` (``Owners.admit``); an OpenAI agent retains one handle per session,
-its latest (``AgentSlots``, keyed by tenant, session and agent: two sessions of one app never resume
-each other's turns), and only its own tenant's requests may evict it.
+unknown one); tenants share the engine but not agent names (``AgentNames``: each request carries its
+tenant to the engine in an :class:`..tenants.AgentRef`, and the engine shows tenant ``t``'s agent ``a``
+as ``t/a``, its agentless requests as ``t/``), nor the spans that cross-prefix reuse places, nor the
+prefix cache (the engine's tenant partition, unless the server shares them explicitly); a tenant's
+live handles, plus those its requests in flight may make, stay within its ``Quota``
+(``Owners.admit``); an OpenAI agent retains one handle per session, its latest (``AgentSlots``,
+keyed by tenant, session and agent: two sessions of one app never resume each other's turns), and
+only its own tenant's requests may evict it.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from typing import Any
 from fastapi import Request
 from kvbaton.errors import HandleNotFound, InvalidRequest, QuotaExceeded
 from kvbaton.ops import check_reuse
-from kvbaton.serverconf import HOST_BYTES_PER_HANDLE_TOKEN
+from kvbaton.serverconf import HOST_BYTES_PER_HANDLE_TOKEN, check_tokens
 from kvbaton.types import Reuse
 
-from ..protocol import MAX_AGENT_CHARS
+from ..tenants import AgentRef
+from .protocol import MAX_AGENT_CHARS
 
 SINGLE_TENANT = "default"
 _RELEASED_OWNERS = 1_000_000  # released ids remembered, so that owners still get HandleReleased
@@ -59,8 +61,7 @@ def tenant_map(token: str | Sequence[str] | Mapping[str, str] | None, salt: byte
         tokens = {str(k): str(v) for k, v in token.items()}
     else:
         tokens = {t: tenant_id(t, salt) for t in token}
-    if any(not t or t != t.strip() or any(c.isspace() for c in t) for t in tokens):
-        raise InvalidRequest("tokens must be non-empty and contain no whitespace")
+    check_tokens(list(tokens))
     if any(not name or "/" in name for name in tokens.values()):
         raise InvalidRequest("tenant names must be non-empty and contain no '/' (it separates tenant and agent)")
     return tokens
@@ -96,35 +97,27 @@ def request_reuse(request: Request, given: Reuse | None) -> Reuse | None:
 
 @dataclass(frozen=True)
 class AgentNames:
-    """Engine names of tenants' agents: ``tenant/agent`` on a multi-tenant server (``tenant/`` for a
-    request without an agent, so that the engine can tell every request's tenant: its prefix cache and
-    spans are scoped by it), else the name itself (None: no agent)."""
+    """Tenants' agents for the engine: on a multi-tenant server every request carries its tenant (an
+    agentless one too, so that the engine can partition its prefix cache and spans by it); without
+    tokens, the agent alone (None: no agent)."""
 
     multi_tenant: bool
 
-    def engine_name(self, tenant: str, agent: str | None) -> str | None:
+    def agent(self, tenant: str, agent: str | None, session: str | None = None) -> AgentRef | None:
+        """``session`` (a workflow run, None: not known) bounds the request's approximate reuse in the engine."""
         if agent and len(agent) > MAX_AGENT_CHARS:
             raise InvalidRequest(f"agent names are at most {MAX_AGENT_CHARS} characters")
         if not self.multi_tenant:
-            return agent or None
-        return f"{tenant}/{agent or ''}"
+            return AgentRef(None, agent or None, session or None) if agent or session else None
+        return AgentRef(tenant, agent or None, session or None)
 
-    def span_scope(self, engine_name: str | None) -> str | None:
-        """The scope of cross-prefix reuse of a request by the engine agent ``engine_name`` on a
-        multi-tenant server: its tenant, so that spans come only from the same tenant's live handles;
-        None (no cross-prefix reuse) for a request whose tenant the engine cannot tell (a name
-        without a tenant part: an engine-internal one)."""
-        if not engine_name or "/" not in engine_name:
-            return None
-        return engine_name.split("/", 1)[0]
-
-    def own_name(self, tenant: str, engine_name: str) -> str | None:
-        """The tenant's own name of an engine agent name ("" for its agentless requests), or None for
-        another tenant's agent."""
+    def own_name(self, tenant: str, label: str) -> str | None:
+        """The tenant's own name of an agent as the engine shows it ("" for its agentless requests), or
+        None for another tenant's agent."""
         if not self.multi_tenant:
-            return engine_name
-        prefix = f"{tenant}/"
-        return engine_name[len(prefix):] if engine_name.startswith(prefix) else None
+            return label
+        ref = AgentRef.parse(label)
+        return (ref.name or "") if ref.tenant == tenant else None
 
 
 @dataclass(frozen=True)
@@ -224,6 +217,18 @@ class Owners:
 
     def check(self, tenant: str, handle_ids: Iterable[str]) -> None:
         self.use(tenant, handle_ids, check=True)
+
+    def owner(self, handle_id: str) -> str | None:
+        """The tenant that made a live or released handle (None: unknown)."""
+        with self._lock:
+            owned = self._live.get(handle_id)
+            return owned.tenant if owned is not None else self._released.get(handle_id)
+
+    def holding(self, tenant: str) -> tuple[int, int]:
+        """The tenant's live handles and their tokens."""
+        with self._lock:
+            held = self._held.get(tenant) or _Holding()
+            return held.handles, held.tokens
 
     def tokens(self, handle_id: str) -> int:
         with self._lock:
@@ -385,3 +390,40 @@ class AgentSlots:
     def tenant_slots(self, tenant: str) -> list[Slot]:
         with self._lock:
             return [slot for key, slot in self._slots.items() if key[0] == tenant]
+
+
+class RegisteredAgents:
+    """The agents each tenant registered (their fixed prompts, ``POST /v1/kv/agents``), at most
+    ``max_per_tenant`` each (None: no limit).
+
+    The engine keeps each registered agent's fixed prompt on the host (its token ids, up to the
+    model's context each). Beyond its limit a tenant's least recently registered agent is dropped
+    (``add`` returns it, the caller unregisters it from the engine): registration is a caching hint
+    (an unregistered agent's requests run as before, without the priority its fixed prompt had in the
+    cache), so the newest hints win, as in any cache; a tenant never drops another's. Registering a
+    name again refreshes it."""
+
+    def __init__(self, max_per_tenant: int | None) -> None:
+        self.max_per_tenant = max_per_tenant
+        self._lock = threading.Lock()
+        self._agents: dict[str, OrderedDict[str, AgentRef]] = {}
+
+    def add(self, tenant: str, agent: AgentRef) -> list[AgentRef]:
+        """Record the tenant's ``agent`` (as the engine names it); the agents dropped to make room."""
+        with self._lock:
+            mine = self._agents.setdefault(tenant, OrderedDict())
+            mine[agent.label or ""] = agent
+            mine.move_to_end(agent.label or "")
+            dropped = []
+            while self.max_per_tenant is not None and len(mine) > self.max_per_tenant:
+                dropped.append(mine.popitem(last=False)[1])
+            return dropped
+
+    def remove(self, tenant: str, agent: AgentRef) -> bool:
+        """Forget the tenant's ``agent``; whether it had registered it."""
+        with self._lock:
+            return self._agents.get(tenant, OrderedDict()).pop(agent.label or "", None) is not None
+
+    def count(self, tenant: str) -> int:
+        with self._lock:
+            return len(self._agents.get(tenant, ()))

@@ -5,7 +5,7 @@ The SDK's clients and ``kvbaton serve`` call these methods exactly as they call
 tree, so ``fork`` is a shared prefix (nothing copied), ``resume`` is a generation over the prefix
 tokens plus the suffix, and SGLang reuses whatever of the prefix its tree still holds. The cached
 token count SGLang reports is checked against the handle: anything short of it was evicted and
-prefilled again (still exact, only slower), and is counted in ``Stats`` as recomputed.
+prefilled again (still exact, only slower): counted as prefilled in ``Stats``, and logged.
 
 What SGLang cannot do, this engine does not pretend to: a segment at a new position is prefilled
 densely, and a live handle does not pin its KV (see :data:`kvbaton.capabilities.SGLANG`).
@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import threading
 import time
 import uuid
@@ -47,44 +46,13 @@ from kvbaton.types import (
 
 from ..events import check_since
 from ..handles import HandleTable, Identity
+from ..hosting import check_partition
+from ..tenants import Agent, AgentRef, TenantPartition
 from . import SGLANG_VERSION
+from .budget import kv_tokens_for_budget
 from .table import WorkflowHint, make_envelope
 
 log = logging.getLogger("kvbaton.sglang")
-
-_BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(tokens?|[KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def kv_tokens_for_budget(budget: str | int, config: dict[str, Any], dtype_bytes: int = 2) -> int:
-    """SGLang sizes its KV pool in tokens: ``"4096 tokens"``, or a byte size for this model's KV."""
-    if isinstance(budget, int):
-        return budget
-    match = _BUDGET.match(budget)
-    if match is None:
-        raise InvalidRequest(f'kv budget {budget!r}: use "N tokens" or a size such as "512MiB"')
-    value, unit = float(match.group(1)), (match.group(2) or "tokens").lower()
-    if unit.startswith("token"):
-        return int(value)
-    try:
-        layers = config["num_hidden_layers"]
-        kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    except KeyError as exc:
-        raise InvalidRequest(f"cannot size KV in bytes for this model config ({exc}); give \"N tokens\"") from exc
-    per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
-    return max(1, int(value * _UNITS[unit]) // per_token)
-
-
-def gigabytes(size: str) -> int:
-    """SGLang sizes its host tier in whole gigabytes: ``"8GiB"`` -> 8 (rounded up)."""
-    match = _BUDGET.match(size)
-    unit = (match.group(2) or "").lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise InvalidRequest(f'host tier size {size!r}: use a size such as "8GiB"')
-    return max(1, -(-int(float(match.group(1)) * _UNITS[unit]) // 10**9))
-
 
 @dataclass
 class _State:
@@ -172,7 +140,7 @@ class SglangEngine:
         ))
         self._agents: dict[str, list[int]] = {}
         self._ste: dict[str, float] = {}
-        self._counters = {"tokens_reused": 0, "tokens_prefilled": 0, "tokens_generated": 0, "tokens_recomputed": 0}
+        self._counters = {"tokens_reused": 0, "tokens_prefilled": 0, "tokens_generated": 0}
 
     # -- what this engine can do ------------------------------------------------------------------
 
@@ -187,6 +155,30 @@ class SglangEngine:
     def max_context(self) -> int | None:
         """The model's context length in tokens, when its config says."""
         return self.loaded.max_context
+
+    # -- the hosted-engine contract (hosting.py) ----------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return str(self.loaded.name)
+
+    @property
+    def default_reuse(self) -> Reuse:
+        """SGLang reuses common prefixes only: every request is served exactly."""
+        return "exact"
+
+    @property
+    def partitionable(self) -> TenantPartition:
+        """Nothing: SGLang's radix tree is one for every request, and there is no span index."""
+        return TenantPartition()
+
+    def partition_tenants(self, partition: TenantPartition) -> None:
+        check_partition(self, partition, self.partitionable)
+
+    @property
+    def persistence(self) -> None:
+        """Handles do not survive a restart of SGLang."""
+        return None
 
     # -- tokens -----------------------------------------------------------------------------------
 
@@ -228,12 +220,12 @@ class SglangEngine:
         state = self._lookup(handle_id)
         return self._table.identity.handle(handle_id, len(state.token_ids), state.lineage)  # type: ignore[union-attr]
 
-    def materialize(self, context: str | Sequence[int], *, agent: str | None = None) -> Handle:
+    def materialize(self, context: str | Sequence[int], *, agent: Agent | None = None) -> Handle:
         tokens = self._tokens(context, "context")
         self._prefill(tokens, agent, reusable=0)
         return self._new(tokens, (LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)),))
 
-    def extend(self, handle: Handle | str, context: str | Sequence[int], *, agent: str | None = None) -> Handle:
+    def extend(self, handle: Handle | str, context: str | Sequence[int], *, agent: Agent | None = None) -> Handle:
         parent_id = handle.id if isinstance(handle, Handle) else handle
         parent = self._lookup(handle)
         added = self._tokens(context, "context")
@@ -258,13 +250,14 @@ class SglangEngine:
     # -- shared segments: SGLang cannot re-align or correct cached keys, so this is dense prefill -----
 
     def compose(self, prefix: Handle | str | Sequence[int] | None = None, segments: Sequence[Segment | Handle] = (),
-                suffix: str | Sequence[int] | None = None, *, agent: str | None = None, mode: str = "auto",
+                suffix: str | Sequence[int] | None = None, *, agent: Agent | None = None, mode: str = "auto",
                 correction: Mapping[str, Any] | None = None) -> Composition:
         """``prefix + segments + suffix`` prefilled by SGLang: a segment is reused exactly when its
         tokens sit at the same positions behind the same tokens as in its source (SGLang's radix tree
         finds it), and prefilled densely otherwise, whatever ``mode`` asks: never approximate KV."""
         if mode not in ("auto", "rotate", "dense"):
             raise InvalidRequest(f"unknown compose mode {mode!r}: use 'auto', 'rotate' or 'dense'")
+        agent = AgentRef.of(agent).label
         check_agent(agent)
         start_time = time.perf_counter()
         parent_id: str | None = None
@@ -311,7 +304,7 @@ class SglangEngine:
         return Composition(handle=handle, segments=reports, exact=True, tokens_reused=cached,
                            tokens_prefilled=len(tokens) - cached, compose_s=time.perf_counter() - start_time)
 
-    def merge(self, parts: Sequence[Segment | Handle], *, agent: str | None = None, mode: str = "auto",
+    def merge(self, parts: Sequence[Segment | Handle], *, agent: Agent | None = None, mode: str = "auto",
               correction: Mapping[str, Any] | None = None) -> Composition:
         """kvbaton's restricted merge: prefix-compatible handles give the longest; segments are
         concatenated through :meth:`compose`; divergent tokens at the same positions raise MergeConflict."""
@@ -345,11 +338,11 @@ class SglangEngine:
     # -- generation -------------------------------------------------------------------------------
 
     def resume(self, handle: Handle | str, suffix: str | Sequence[int] = "", sampling: SamplingParams | None = None,
-               *, agent: str | None = None) -> Result:
+               *, agent: Agent | None = None) -> Result:
         return self.resume_stream(handle, suffix, sampling, agent=agent).until_done()
 
     def resume_stream(self, handle: Handle | str, suffix: str | Sequence[int] = "",
-                      sampling: SamplingParams | None = None, *, agent: str | None = None) -> TokenStream:
+                      sampling: SamplingParams | None = None, *, agent: Agent | None = None) -> TokenStream:
         parent_id = handle.id if isinstance(handle, Handle) else handle
         parent = self._lookup(handle)
         added = self._tokens(suffix, "suffix")
@@ -360,11 +353,11 @@ class SglangEngine:
 
     # ``reuse``: SGLang reuses common prefixes only, so every policy is served exactly (and marked exact).
     def complete(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, *,
-                 agent: str | None = None, reuse: Reuse | None = None) -> Result:
+                 agent: Agent | None = None, reuse: Reuse | None = None) -> Result:
         return self.complete_stream(prompt, sampling, agent=agent, reuse=reuse).until_done()
 
     def complete_stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, *,
-                        agent: str | None = None, reuse: Reuse | None = None) -> TokenStream:
+                        agent: Agent | None = None, reuse: Reuse | None = None) -> TokenStream:
         check_reuse(reuse)
         tokens = self._tokens(prompt, "prompt")
         step = LineageStep(op=Op.GENERATE, token_ids=tuple(tokens))
@@ -372,14 +365,14 @@ class SglangEngine:
 
     def generate(self, messages: Sequence[ChatMessage | dict[str, Any]], *, handle: Handle | str | None = None,
                  sampling: SamplingParams | None = None, tools: list[dict[str, Any]] | None = None,
-                 agent: str | None = None, reuse: Reuse | None = None) -> Result:
+                 agent: Agent | None = None, reuse: Reuse | None = None) -> Result:
         return self.generate_stream(
             messages, handle=handle, sampling=sampling, tools=tools, agent=agent, reuse=reuse
         ).until_done()
 
     def generate_stream(self, messages: Sequence[ChatMessage | dict[str, Any]], *,
                         handle: Handle | str | None = None, sampling: SamplingParams | None = None,
-                        tools: list[dict[str, Any]] | None = None, agent: str | None = None,
+                        tools: list[dict[str, Any]] | None = None, agent: Agent | None = None,
                         reuse: Reuse | None = None) -> TokenStream:
         check_reuse(reuse)
         prompt = self.chat_tokens(messages, tools=tools)
@@ -427,10 +420,9 @@ class SglangEngine:
             self._counters["tokens_reused"] += cached
             self._counters["tokens_prefilled"] += prompt_len - cached
             self._counters["tokens_generated"] += generated
-            # A handle's prefix SGLang no longer held (evicted): prefilled again, exactly. SGLang matches
-            # whole pages and always runs the prompt's last token, so that much is never expected.
-            expected = min(reusable, prompt_len - 1) // self.page_size * self.page_size
-            self._counters["tokens_recomputed"] += max(0, expected - cached)
+        # A handle's prefix SGLang no longer held (evicted): prefilled again, exactly. SGLang matches
+        # whole pages and always runs the prompt's last token, so that much is never expected.
+        expected = min(reusable, prompt_len - 1) // self.page_size * self.page_size
         if cached < expected:
             log.debug("SGLang held %d of a handle's %d prefix tokens; the rest were prefilled again", cached, expected)
 
@@ -439,7 +431,8 @@ class SglangEngine:
         with self._sgl_lock:
             self.sgl.collective_rpc(method, payload=json.dumps(body))
 
-    def _prefill(self, tokens: list[int], agent: str | None, *, reusable: int) -> None:
+    def _prefill(self, tokens: list[int], agent: Agent | None, *, reusable: int) -> None:
+        agent = AgentRef.of(agent).label  # SGLang's hints name an agent by its label
         check_agent(agent)
         with self._sgl_lock:
             out = self.sgl.generate(input_ids=tokens, sampling_params={"max_new_tokens": 0},
@@ -447,7 +440,8 @@ class SglangEngine:
         self._account(len(tokens), int(out["meta_info"].get("cached_tokens", 0)), 0, reusable)
 
     def _stream(self, tokens: list[int], lineage: tuple[LineageStep, ...], params: SamplingParams,
-                agent: str | None, *, reusable: int) -> TokenStream:
+                agent: Agent | None, *, reusable: int) -> TokenStream:
+        agent = AgentRef.of(agent).label
         check_agent(agent)
         if self.loaded.max_context and len(tokens) + params.max_tokens > self.loaded.max_context:
             from kvbaton.errors import ContextTooLong
@@ -505,9 +499,11 @@ class SglangEngine:
 
     # -- workflow hints ---------------------------------------------------------------------------
 
-    def register_agent(self, name: str, fixed_prompt: Any, *, prefill: bool = False) -> AgentInfo:
-        if name is None:
+    def register_agent(self, name: Agent, fixed_prompt: Any, *, prefill: bool = False) -> AgentInfo:
+        ref = AgentRef.of(name)
+        if ref.name is None:
             raise InvalidRequest("agent name is required")
+        name = ref.label
         check_agent(name)
         if isinstance(fixed_prompt, Sequence) and fixed_prompt and isinstance(fixed_prompt[0], ChatMessage | dict):
             tokens = self.chat_tokens(fixed_prompt, add_generation_prompt=False)
@@ -519,6 +515,14 @@ class SglangEngine:
         if prefill:
             self.release(self.materialize(tokens, agent=name))
         return AgentInfo(name=name, fixed_tokens=len(tokens))
+
+    def unregister_agent(self, name: Agent) -> bool:
+        label = AgentRef.of(name).label
+        if self._agents.pop(label, None) is None:
+            return False
+        if self.eviction == "kvbaton":
+            self._rpc("kvbaton_agent", {"agent": label, "tokens": []})  # no fixed prompt: nothing of it is held
+        return True
 
     def hints(
         self, steps: Mapping[str, float] | Any, *, running: Iterable[str] = (), finished: Iterable[str] = ()
@@ -549,10 +553,6 @@ class SglangEngine:
         (docs/dashboard.md). Use SGLang's own metrics for its timeline."""
         check_since(since)
         return Events(events=[], next=since, dropped=0, capacity=0)
-
-    def recomputed_tokens(self) -> int:
-        """Prompt tokens a handle named but SGLang had evicted, so they were prefilled again."""
-        return self._counters["tokens_recomputed"]
 
     def flush_cache(self) -> None:
         with self._sgl_lock:

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvbaton
-from kvbaton.serverconf import check_bind
 
 log = logging.getLogger("kvbaton.sglang")
 
@@ -24,18 +23,26 @@ def serve(
 ) -> None:
     """Like :func:`kvbaton.backend.server.serve` (same endpoints, auth and limits), over an
     :class:`~.engine.SglangEngine`; ``GET /v1/capabilities`` reports what SGLang does differently."""
-    import uvicorn
     from kvbaton.backend.server import create_app
+    from kvbaton.backend.server.app import check_serve_options, run_app
+    from kvbaton.backend.server.listener import DEFAULT_CLIENT_TIMEOUT_S, bind, bound_port
 
     from .engine import SglangEngine
 
     tokens = [token] if isinstance(token, str) else list(token or [])
-    check_bind(host, tokens)
-    engine = SglangEngine(model, **(engine_options or {}))
+    client_timeout = app_options.pop("client_timeout", DEFAULT_CLIENT_TIMEOUT_S)
+    check_serve_options(host, tokens, client_timeout=client_timeout, **app_options)
+    sock = bind(host, port)  # before SGLang loads: a taken port fails at once
+    try:
+        engine = SglangEngine(model, **(engine_options or {}))
+    except BaseException:
+        sock.close()
+        raise
     try:
         app = create_app(engine, token=tokens or None, **app_options)
         log.info("kvbaton %s serving %s with SGLang (eviction %s) on http://%s:%d", kvbaton.__version__,
-                 engine.loaded.name, engine.eviction, host, port)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
+                 app.state.kvbaton.model, engine.eviction, host, bound_port(sock))
+        run_app(app, sock, log_level=log_level, client_timeout=client_timeout)
     finally:
+        sock.close()
         engine.close()

@@ -3,7 +3,7 @@
 SGLang's radix tree knows nothing of agents. The plugin tags every tree node on an agent's fixed
 prompt with the agent's name (``node._kvbaton_owners``) and keeps one table per scheduler process:
 the current steps-to-execution (STE) of each agent and the token prefix of its fixed prompt. The
-eviction order itself is kvbaton's own :class:`~kvbaton.backend.eviction.StepsToExecution`: a node
+eviction order itself is kvbaton's own :class:`~kvbaton.backend.cache.eviction.StepsToExecution`: a node
 takes the MIN STE of its owners, untagged nodes (dynamic suffixes) go first, ties by recency.
 
 Node priority in SGLang can only rise (``priority`` is a max over requests), which cannot express
@@ -20,8 +20,9 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvbaton.backend.eviction import StepsToExecution
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..cache.eviction import StepsToExecution
 
 ACTION_TYPE = "kvbaton.workflow"
 ACTION_VERSION = "1"

@@ -13,6 +13,19 @@
   const $ = (id) => document.getElementById(id);
   const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
   const fmt = (x, d = 2) => (x === null || x === undefined || !isFinite(x) ? "–" : Number(x).toFixed(d));
+  const int = (n) => (n === null || n === undefined || !isFinite(n) ? "–" : Math.round(n).toLocaleString("en-US"));
+  const pct = (x) => (x === null || x === undefined || !isFinite(x) ? "–" : `${(100 * x).toFixed(0)} %`);
+  const mib = (b) => fmt(b / 1048576, 1) + " MiB";
+  // {"device": 159, "host": 106} -> "device 159, host 106": counts by where they were, as words
+  const byPlace = (m) => Object.entries(m || {}).filter(([, n]) => n).map(([k, n]) => `${k} ${int(n)}`).join(", ") || "none";
+  const steOf = (v) => (v === null || v === undefined ? "no hint" : v === 0 ? "running" : "STE " + fmt(v, 0));
+  // An eviction's steps_to_execution names the agents whose registered prompt the blocks belonged to;
+  // empty when none did (a transcript, an answer: blocks no agent owns, which the STE policy evicts first).
+  const evictedOwners = (ste) => {
+    const owners = Object.entries(ste || {});
+    return owners.length ? "owners " + owners.map(([a, v]) => `${a} (${steOf(v)})`).join(", ")
+      : "no agent's registered prompt among them (unowned blocks go first)";
+  };
   const laneOf = (e) => (e.kind === "request" ? (e.agent || "(no agent)") : "cache");
   const requests = () => state.events.filter((e) => e.kind === "request");
 
@@ -52,38 +65,44 @@
       body += `<line x1="${xx}" x2="${xx}" y1="${top}" y2="${height - 20}" stroke="#eceef2"/>`;
       body += `<text class="axis" x="${xx}" y="${height - 6}" text-anchor="middle">${fmt(s, step < 1 ? 1 : 0)} s</text>`;
     }
+    const drawn = new Set();  // the legend shows only the kinds of bar drawn
     for (const e of evs) {
       const y = top + lanes.indexOf(laneOf(e)) * laneH + 4, h = laneH - 8;
       if (e.kind !== "request") {
         const color = e.kind === "evict" ? COLORS.evict : COLORS.prefetch;
         const tip = e.kind === "evict"
-          ? `evicted ${e.blocks} blocks to ${e.tier} (${e.policy}); STE ${JSON.stringify(e.steps_to_execution)}`
-          : `prefetched ${e.blocks} blocks of ${e.agent} from ${e.tier}`;
+          ? `evicted ${int(e.blocks)} blocks to ${e.tier} (policy ${e.policy}); ${evictedOwners(e.steps_to_execution)}`
+          : `prefetched ${int(e.blocks)} blocks of ${e.agent} from ${e.tier}`;
         body += `<rect class="${e.kind}" x="${x(e.time) - 1.5}" y="${y}" width="3" height="${h}" fill="${color}"><title>${esc(tip)}</title></rect>`;
+        drawn.add(e.kind);
         continue;
       }
       const tq = e.t_queued, ta = e.t_admitted || tq, tf = e.t_first_token || e.t_done, td = e.t_done;
       const tip = `${e.agent || "(no agent)"} ${e.op} ${e.finish}\nqueued→admitted ${fmt(ta - tq, 3)} s, prefill ${fmt(tf - ta, 3)} s, ` +
-        `decode ${fmt(td - tf, 3)} s\nreused ${e.tokens_reused} (approx. ${e.tokens_approximate}), prefilled ${e.tokens_prefilled}, ` +
-        `generated ${e.tokens_generated}\nblocks ${JSON.stringify(e.blocks_loaded)}, prefetch hits ${e.prefetch_hits}` +
-        (e.ste_predicted !== null && e.ste_predicted !== undefined ? `\nSTE before it ran: ${e.ste_predicted}` : "");
+        `decode ${fmt(td - tf, 3)} s\nprompt tokens reused ${int(e.tokens_reused)} (approximately ${int(e.tokens_approximate)}), ` +
+        `prefilled ${int(e.tokens_prefilled)}; generated ${int(e.tokens_generated)}\ncached blocks attached: ` +
+        `${byPlace(e.blocks_loaded)}; brought back by prefetch ${int(e.prefetch_hits)}` +
+        (e.ste_predicted !== null && e.ste_predicted !== undefined ? `\nbefore it ran: ${steOf(e.ste_predicted)}` : "");
       let g = `<g class="request" data-agent="${esc(laneOf(e))}"><title>${esc(tip)}</title>`;
-      g += `<rect x="${x(tq)}" y="${y + h / 2 - 2}" width="${Math.max(1, x(ta) - x(tq))}" height="4" fill="${COLORS.queued}"/>`;
+      if (ta > tq) g += `<rect x="${x(tq)}" y="${y + h / 2 - 2}" width="${Math.max(1, x(ta) - x(tq))}" height="4" fill="${COLORS.queued}"/>`;
+      if (x(ta) - x(tq) >= 2) drawn.add("queued");  // a wait of less than 2 pixels is not visible: not in the legend
       const prompt = e.tokens_reused + e.tokens_prefilled;
-      const parts = [[e.tokens_reused - e.tokens_approximate, COLORS.exact], [e.tokens_approximate, COLORS.approx],
-                     [e.tokens_prefilled, COLORS.prefilled]];
+      const parts = [[e.tokens_reused - e.tokens_approximate, "exact"], [e.tokens_approximate, "approx"],
+                     [e.tokens_prefilled, "prefilled"]];
       let yy = y;
-      for (const [n, color] of parts) {  // the prefill bar's height split by where its prompt came from
+      for (const [n, kind] of parts) {  // the prefill bar's height split by where its prompt came from
         if (!prompt || n <= 0) continue;
         const hh = (h * n) / prompt;
-        g += `<rect x="${x(ta)}" y="${yy}" width="${Math.max(1.5, x(tf) - x(ta))}" height="${hh}" fill="${color}"/>`;
+        g += `<rect x="${x(ta)}" y="${yy}" width="${Math.max(1.5, x(tf) - x(ta))}" height="${hh}" fill="${COLORS[kind]}"/>`;
         yy += hh;
+        drawn.add(kind);
       }
-      if (e.t_first_token) g += `<rect x="${x(tf)}" y="${y + 3}" width="${Math.max(1, x(td) - x(tf))}" height="${h - 6}" fill="${COLORS.decode}"/>`;
+      if (e.t_first_token) { g += `<rect x="${x(tf)}" y="${y + 3}" width="${Math.max(1, x(td) - x(tf))}" height="${h - 6}" fill="${COLORS.decode}"/>`; drawn.add("decode"); }
       if (e.finish === "error" || e.finish === "abandoned") g += `<rect x="${x(tq)}" y="${y}" width="${Math.max(2, x(td) - x(tq))}" height="${h}" fill="none" stroke="#b3261e"/>`;
       body += g + "</g>";
     }
     $("timeline").innerHTML = svg(width, height, body);
+    for (const item of document.querySelectorAll("#timeline-legend [data-kind]")) item.hidden = !drawn.has(item.dataset.kind);
   }
 
   // -- the agent step graph: agents by steps-to-execution, edges as observed hand-offs -----------------
@@ -141,17 +160,21 @@
     let x = 0, body = "";
     for (const [label, n, color] of parts) {
       const w = (width * Math.max(0, n)) / total;
-      body += `<rect x="${x}" y="0" width="${w}" height="18" fill="${color}"><title>${label}: ${n} blocks</title></rect>`;
+      body += `<rect x="${x}" y="0" width="${w}" height="18" fill="${color}"><title>${label}: ${int(n)} blocks</title></rect>`;
       x += w;
     }
-    const mib = (b) => fmt(b / 1048576, 1) + " MiB";
-    let rows = `<tr><th>tier</th><th>blocks</th><th>bytes</th></tr><tr><td>device</td><td>${s.blocks_used} / ${s.blocks_total}</td><td>${mib(s.pool_bytes_used)}</td></tr>`;
+    // Every row: used / capacity, in blocks and in bytes (a server too old to report a tier's capacity: "–").
+    const row = (tier, used, capacity) => `<tr data-tier="${esc(tier)}"><td>${esc(tier)}</td><td>${int(used)} / ${int(capacity)}</td>` +
+      `<td>${mib(used * s.bytes_per_block)} / ${capacity === undefined ? "–" : mib(capacity * s.bytes_per_block)}</td>` +
+      `<td>${capacity ? pct(used / capacity) : "–"}</td></tr>`;
+    let rows = "<tr><th>tier</th><th>blocks used / capacity</th><th>bytes used / capacity</th><th>full</th></tr>" +
+      row("device", s.blocks_used, s.blocks_total);
     const c = s.cache;
-    if (c) for (const [tier, n] of Object.entries(c.nodes_per_tier || {})) rows += `<tr><td>${esc(tier)}</td><td>${n}</td><td>${mib(n * s.bytes_per_block)}</td></tr>`;
-    const extra = c ? `<div class="legend"><span>policy ${esc(c.policy)}</span><span>hits ${esc(JSON.stringify(c.hits_blocks))}</span>` +
-      `<span>prefetch hit rate ${fmt(c.prefetch_hit_rate)}</span><span>handles live ${s.handles_live}</span></div>` : "";
+    if (c) for (const [tier, n] of Object.entries(c.nodes_per_tier || {})) rows += row(tier, n, (c.tier_capacity_blocks || {})[tier]);
+    const extra = c ? `<div class="legend"><span>policy ${esc(c.policy)}</span><span>cache hits (blocks): ${esc(byPlace(c.hits_blocks))}</span>` +
+      `<span>prefetch hit rate ${pct(c.prefetch_hit_rate)}</span><span>handles live ${int(s.handles_live)}</span></div>` : "";
     $("cache").innerHTML = svg(width, 18, body) +
-      parts.map(([l, n, col]) => `<span class="legend" style="display:inline-flex;margin-right:10px"><span><i style="background:${col}"></i>${l} ${n}</span></span>`).join("") +
+      parts.map(([l, n, col]) => `<span class="legend" style="display:inline-flex;margin-right:10px"><span><i style="background:${col}"></i>${l} ${int(n)}</span></span>`).join("") +
       `<table>${rows}</table>` + extra;
   }
 
@@ -160,7 +183,7 @@
     const reqs = requests().filter((e) => e.t_done).sort((a, b) => a.t_done - b.t_done);
     if (!reqs.length) { $("ratios").innerHTML = '<div class="empty">no requests yet</div>'; return; }
     const t0 = Math.min(...reqs.map((e) => e.t_queued)), t1 = Math.max(reqs[reqs.length - 1].t_done, t0 + 0.001);
-    const width = Math.max(360, ($("ratios").clientWidth || 360) - 4), height = 150, left = 30, bottom = 18;
+    const width = Math.max(360, ($("ratios").clientWidth || 360) - 4), height = 150, left = 40, bottom = 18;
     const x = (t) => left + ((t - t0) / (t1 - t0)) * (width - left - 6), y = (r) => 6 + (1 - r) * (height - bottom - 6);
     let reused = 0, prompt = 0, hits = 0, blocks = 0, lineA = "", lineB = "";
     for (const e of reqs) {
@@ -170,11 +193,15 @@
       lineB += `${lineB ? "L" : "M"}${x(e.t_done)},${y(blocks ? hits / blocks : 0)} `;
     }
     let body = "";
-    for (const r of [0, 0.5, 1]) body += `<line x1="${left}" x2="${width}" y1="${y(r)}" y2="${y(r)}" stroke="#eceef2"/><text class="axis" x="2" y="${y(r) + 4}">${r}</text>`;
-    body += `<text class="axis" x="${width - 4}" y="${height - 4}" text-anchor="end">${fmt(t1 - t0, 1)} s</text>`;
+    for (const r of [0, 0.25, 0.5, 0.75, 1]) body += `<line x1="${left}" x2="${width}" y1="${y(r)}" y2="${y(r)}" stroke="#eceef2"/><text class="axis" x="${left - 4}" y="${y(r) + 4}" text-anchor="end">${pct(r)}</text>`;
+    const step = niceStep(t1 - t0, 6);  // seconds since the first request, as on the timeline
+    for (let s = 0; s <= t1 - t0 + 1e-9; s += step) {
+      body += `<line x1="${x(t0 + s)}" x2="${x(t0 + s)}" y1="6" y2="${height - bottom}" stroke="#f3f4f7"/>` +
+        `<text class="axis tick" x="${x(t0 + s)}" y="${height - 4}" text-anchor="middle">${fmt(s, step < 1 ? 1 : 0)} s</text>`;
+    }
     body += `<path d="${lineB}" fill="none" stroke="${COLORS.prefetch}" stroke-width="2"/><path d="${lineA}" fill="none" stroke="${COLORS.exact}" stroke-width="2"/>`;
     $("ratios").innerHTML = svg(width, height, body) +
-      `<div class="legend"><span>reuse ${fmt(prompt ? reused / prompt : 0)}</span><span>prefetch share ${fmt(blocks ? hits / blocks : 0)}</span></div>`;
+      `<div class="legend"><span>prompt tokens reused ${pct(prompt ? reused / prompt : 0)}</span><span>cache blocks from prefetch ${pct(blocks ? hits / blocks : 0)}</span></div>`;
   }
 
   // -- per-agent table -------------------------------------------------------------------------------
@@ -192,8 +219,8 @@
     let rows = "<tr><th>agent</th><th>calls</th><th>TTFT s</th><th>reused</th><th>prefilled</th><th>gen.</th>" +
       '<th>reuse</th><th title="requests the step graph predicted as next (STE 1) / hinted requests">next</th></tr>';
     for (const [a, r] of by) {
-      rows += `<tr data-agent="${esc(a)}"><td>${esc(a)}</td><td>${r.n}</td><td>${fmt(r.nt ? r.ttft / r.nt : NaN, 3)}</td><td>${r.reused}</td>` +
-        `<td>${r.prefilled}</td><td>${r.generated}</td><td>${fmt(r.reused / Math.max(1, r.reused + r.prefilled))}</td>` +
+      rows += `<tr data-agent="${esc(a)}"><td>${esc(a)}</td><td>${int(r.n)}</td><td>${fmt(r.nt ? r.ttft / r.nt : NaN, 3)}</td><td>${int(r.reused)}</td>` +
+        `<td>${int(r.prefilled)}</td><td>${int(r.generated)}</td><td>${pct(r.reused / Math.max(1, r.reused + r.prefilled))}</td>` +
         `<td>${r.hinted ? `${r.next}/${r.hinted}` : "–"}</td></tr>`;
     }
     $("agents").innerHTML = `<table>${rows}</table>`;

@@ -1,0 +1,179 @@
+"""The server's listening socket and its HTTP connections: bound before anything loads, and no
+client may hold a connection by stalling.
+
+``kvbaton serve`` binds its socket first (:func:`bind`, vLLM's ``create_server_socket`` pattern):
+a taken port or an address the machine does not have fails at once, before the model loads, and
+uvicorn (:func:`http_server`) then serves on that very socket, so nothing can take the port in between.
+
+uvicorn's HTTP/1.1 protocol (h11) times out only idle keep-alive connections; a client that opens a
+connection and sends nothing, part of its headers (slowloris) or its body a byte at a time, or that
+stops reading a response (an unread stream), would hold the connection, and what its request holds
+in the engine, forever. :class:`GuardedH11Protocol` gives each of these waits a deadline,
+``client_timeout`` seconds:
+
+- from a connection's (or request's) first byte until its headers are complete: else ``408`` and
+  the connection is closed;
+- between two reads of a request body: else the connection is closed (the app sees a disconnect);
+- while the server's writes are paused because the client does not read: else the connection is
+  aborted, which cancels the request (a stream's engine request is cancelled and what it made
+  released, as for any client that goes away).
+
+A wait that is the server's own (reading paused because the app has not read the body yet) has no
+deadline here. Invariant: the guard changes nothing for a client that keeps sending and reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import h11
+from kvbaton.errors import InvalidRequest
+from kvbaton.serverconf import DEFAULT_CLIENT_TIMEOUT_S
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+if TYPE_CHECKING:
+    import uvicorn
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_CLIENT_TIMEOUT_S", "GuardedH11Protocol", "bind", "bound_port", "check_client_timeout",
+           "http_server"]
+MAX_HEADER_BYTES = 64 * 1024  # h11's buffer for an incomplete request head (its default is 16 KiB)
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long (uvicorn's default)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free one); ``InvalidRequest`` naming the
+    address when it cannot be bound (taken, or not this machine's)."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidRequest(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may rebind at once (TIME_WAIT)
+        sock.bind(address)
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError as exc:
+        sock.close()
+        raise InvalidRequest(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def bound_port(sock: socket.socket) -> int:
+    return int(sock.getsockname()[1])
+
+
+def http_server(app: Any, *, log_level: str, client_timeout: float = DEFAULT_CLIENT_TIMEOUT_S,
+                on_exit: Callable[[], None] | None = None, **options: Any) -> uvicorn.Server:
+    """The uvicorn server of ``app``, its connections guarded (:class:`GuardedH11Protocol`); run it
+    with ``.run(sockets=[bind(...)])``. ``on_exit`` is called on SIGINT/SIGTERM before uvicorn's
+    shutdown begins; ``options``: more ``uvicorn.Config`` settings."""
+    import uvicorn
+
+    protocol = type("KvbatonH11Protocol", (GuardedH11Protocol,), {"client_timeout": client_timeout})
+    config = uvicorn.Config(
+        app, log_level=log_level, http=protocol, timeout_keep_alive=KEEP_ALIVE_S,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options,
+    )
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if on_exit is not None:
+                on_exit()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+def check_client_timeout(seconds: float) -> None:
+    if not seconds > 0:
+        raise InvalidRequest(f"the client timeout must be > 0 seconds, got {seconds}")
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on every wait for the client (see the module docstring)."""
+
+    client_timeout: float = DEFAULT_CLIENT_TIMEOUT_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self, why: str) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.client_timeout, self._expired, why)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm("headers")  # a connection that sends nothing at all is held to the same deadline
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._rearm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """Arm the deadline for what the connection waits for from the client now."""
+        if self.transport.is_closing() or self.flow.write_paused:
+            return  # the "reading" deadline runs until the client reads again
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            self._arm("body")  # restarted by every read: a limit on the pause between two
+        elif state is h11.IDLE and (self.cycle is None or self.conn.trailing_data[0]):
+            if self._deadline is None:  # a request head under way: its deadline runs from its first byte
+                self._arm("headers")
+        else:  # a whole request in hand, or idle between requests (uvicorn's keep-alive timeout then)
+            self._disarm()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._arm("reading")  # the client does not read what the server sends
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm()
+        self._rearm()
+
+    def _expired(self, why: str) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if why == "body" and self.flow.read_paused:
+            self._arm("body")  # the app has not read the body yet: the wait is the server's, not the client's
+            return
+        prefix = f"{self.client[0]}:{self.client[1]} - " if self.client else ""
+        log.warning("%sclosing a connection that stalled for %g s (%s)", prefix, self.client_timeout,
+                    {"headers": "request headers incomplete", "body": "request body stalled",
+                     "reading": "the client does not read the response"}[why])
+        if why == "headers" and self.conn.our_state is h11.IDLE:
+            with contextlib.suppress(h11.LocalProtocolError):
+                body = b"request headers not received in time\n"
+                headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close"),
+                           (b"content-length", str(len(body)).encode())]
+                self.transport.write(self.conn.send(h11.Response(status_code=408, headers=headers,
+                                                                 reason=b"Request Timeout")))
+                self.transport.write(self.conn.send(h11.Data(data=body)))
+                self.transport.write(self.conn.send(h11.EndOfMessage()))
+            self.transport.close()
+            return
+        self.transport.abort()  # drops what is buffered: a paused write would otherwise wait on it forever

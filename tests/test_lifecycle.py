@@ -1,0 +1,161 @@
+"""The request lifecycle without a model (backend/runtime/lifecycle.py over tests/fakes.py's runner): admission
+reserves everything up front, a long prompt is prefilled in chunks, the decode loop generates what a dense
+pass would, stale positions ride along with the next chunk, and a request that fails or is abandoned gives
+every block back and is never registered."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from fakes import chain, logits_of, stack
+from kvbaton import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+PROMPT = list(range(300, 340))  # 40 tokens
+
+
+def _greedy(tokens, n):
+    """What greedy decoding after ``tokens`` gives, from a dense pass."""
+    row, out = chain(tokens)[-1], []
+    for _ in range(n):
+        out.append(int(torch.argmax(logits_of(row))))
+        row = chain(out[-1:], row)[0]
+    return out
+
+
+def test_a_prompt_alone_is_prefilled_in_chunks_of_the_token_budget():
+    with stack(prefill_chunk=16, max_batch_tokens=32) as s:
+        state = s.materialize(PROMPT)
+        assert s.runner.batches == [[32], [8]]
+        assert torch.equal(s.logits(state), s.runner.dense_logits(PROMPT))
+
+
+def test_a_prompt_beside_a_decoding_request_goes_in_prefill_chunks():
+    with stack(prefill_chunk=16, max_batch_tokens=32) as s:
+        with s.scheduler.decoding():  # another request between its decode steps
+            s.materialize(PROMPT)
+        assert s.runner.batches == [[16], [16], [8]]
+
+
+def test_the_decode_loop_generates_what_a_dense_pass_does_and_registers_the_handle():
+    with stack() as s:
+        state = s.state(PROMPT)
+        result = s.lifecycle.stream(state, SamplingParams(max_tokens=6, ignore_eos=True)).until_done()
+        assert result.token_ids == _greedy(PROMPT, 6) and result.finish_reason == "length"
+        assert result.text == "".join(f"<{t}>" for t in result.token_ids)
+        assert result.handle.num_tokens == 46 and result.handle.id in s.handles
+        assert s.runner.batches == [[40]] + [[1]] * 5  # the prompt, then the five tokens before the last
+        assert state.num_cached == 45  # the last token stays pending for its next user
+        assert len(state.blocks) == 12  # the reservation, trimmed to the tokens
+        assert s.lifecycle.counters.tokens_generated == 6
+
+
+def test_admission_reserves_the_whole_request_before_computing_anything():
+    with stack(blocks=16) as s:
+        state = s.state(PROMPT)
+        stream = s.lifecycle.stream(state, SamplingParams(max_tokens=20, ignore_eos=True))
+        next(iter(stream))  # admitted, prefilled, first token out
+        assert len(state.blocks) == 15  # 40 + 19 tokens
+        stream.close()
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_a_request_that_fails_gives_every_block_back_and_is_not_registered(where):
+    with stack() as s:
+        state = s.state(PROMPT)
+        if where == "prefill":
+            s.runner.fail = RuntimeError("device lost")
+            with pytest.raises(RuntimeError, match="device lost"):
+                s.lifecycle.prefill(state)
+        else:
+            stream = iter(s.lifecycle.stream(state, SamplingParams(max_tokens=5, ignore_eos=True)))
+            next(stream)
+            s.runner.fail = RuntimeError("device lost")
+            with pytest.raises(RuntimeError, match="device lost"):
+                list(stream)
+        assert state.blocks == [] and state.id not in s.handles
+        assert s.pool.num_used == len(s.cache.cached_blocks())  # only the prefix cache holds blocks
+        assert [e.finish for e in s.lifecycle.events.since(0).events] == ["error"]
+
+
+def test_an_abandoned_stream_gives_every_block_back():
+    with stack() as s:
+        state = s.state(PROMPT)
+        stream = s.lifecycle.stream(state, SamplingParams(max_tokens=8, ignore_eos=True))
+        next(iter(stream))
+        stream.close()
+        assert state.blocks == [] and state.id not in s.handles
+        unread = s.state(PROMPT[:8])
+        s.lifecycle.stream(unread, SamplingParams(max_tokens=8)).close()  # closed before reading anything
+        assert unread.blocks == [] and unread.id not in s.handles
+        assert s.pool.num_used == len(s.cache.cached_blocks())
+
+
+def test_stale_positions_are_recomputed_in_the_next_chunk_with_the_new_tokens():
+    with stack() as s:
+        state = s.state(PROMPT + [1, 2, 3])
+        s.lifecycle.admit(state, state.num_tokens)
+        s.lifecycle.compute_until(state, 40)
+        slot = s.runner.slot(state.blocks, 38)
+        s.pool.k[:, :, slot] = s.pool.v[:, :, slot] = 0.0  # as if re-aligned from another context
+        assert s.runner.deviation(state.blocks, 37, PROMPT[37:39]).tolist() == [0.0, 1.0]
+        s.lifecycle.recompute_at(state, [38])
+        logits = s.lifecycle.compute(state)
+        assert s.runner.batches[-1] == [4]  # position 38, then the three new tokens, in one chunk
+        assert s.runner.rows(state.blocks, 43) == chain(PROMPT + [1, 2, 3])
+        assert torch.equal(logits, s.runner.dense_logits(PROMPT + [1, 2, 3]))
+
+
+def test_a_plain_generation_is_stepped_by_the_scheduler_and_cut_back_to_its_stop_string():
+    """After its first token, a plain generation's steps run on the scheduler thread, which may compute tokens
+    past a stop string before the request sees it: they are cut off, the handle holds exactly the accepted
+    tokens (the last pending), and a continuation from it is what a dense pass gives."""
+    want = _greedy(PROMPT, 40)
+    with stack() as s:
+        state = s.state(PROMPT)
+        stop = f"<{want[2]}>"
+        accepted = want[: want.index(want[2]) + 1]
+        result = s.lifecycle.stream(state, SamplingParams(max_tokens=40, stop=[stop], ignore_eos=True)).until_done()
+        assert result.token_ids == accepted and result.finish_reason == "stop"
+        assert state.token_ids == PROMPT + accepted and state.num_cached == len(PROMPT) + len(accepted) - 1
+        follow = s.state([7], parent=state)
+        more = s.lifecycle.stream(follow, SamplingParams(max_tokens=3, ignore_eos=True)).until_done()
+        assert more.token_ids == _greedy(PROMPT + accepted + [7], 3)
+
+
+def test_a_generation_runs_at_most_AHEAD_tokens_ahead_of_a_consumer_that_does_not_read():
+    from kvbaton.backend.runtime.scheduler import AHEAD
+
+    want = _greedy(PROMPT, AHEAD + 10)
+    with stack(blocks=128) as s:
+        state = s.state(PROMPT)
+        stream = iter(s.lifecycle.stream(state, SamplingParams(max_tokens=AHEAD + 10, ignore_eos=True)))
+        first = next(stream)
+        deadline = time.monotonic() + 30
+        while len(state.token_ids) < len(PROMPT) + 1 + AHEAD and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(state.token_ids) == len(PROMPT) + 1 + AHEAD  # paused: the queue holds AHEAD unread tokens
+        rest = [chunk.token_ids[0] for chunk in stream]
+        assert first.token_ids + rest == want and s.lifecycle.counters.tokens_generated == AHEAD + 10
+
+
+def test_plain_generations_stepped_together_each_get_what_a_dense_pass_gives():
+    prompts = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(6)]
+    with stack(blocks=256, max_batch_tokens=256) as s:
+        states = [s.state(p) for p in prompts]
+        streams = [s.lifecycle.stream(st, SamplingParams(max_tokens=12, ignore_eos=True)) for st in states]
+        results = [None] * len(streams)
+
+        def run(i):
+            results[i] = streams[i].until_done()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(streams))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert [r.token_ids for r in results] == [_greedy(p, 12) for p in prompts]

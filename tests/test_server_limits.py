@@ -1,0 +1,460 @@
+"""What bounds a ``kvbaton serve`` against its clients: start-up checks, stalled connections, fair
+request slots, stream caps, per-tenant metrics and events, bounded per-tenant memory, hung workers
+(issue 39).
+
+Specification:
+- the socket is bound and every option checked before the model loads: a taken port, ``--token ''``
+  or a limit out of range ends the process with a clear error before it logs that it loads anything;
+- a connection that sends part of its headers (slowloris), nothing at all, or stops sending its body
+  is closed after ``--client-timeout`` (the first two with 408); an answer the client does not read
+  is abandoned after it (its request cancelled); a client that keeps up is unaffected;
+- requests hold a slot while they run: beyond the server's slots they wait, and a slot that comes
+  back goes to the next tenant in turn, so a tenant flooding the server delays its own requests, not
+  another tenant's; a tenant's queue is bounded (429); open streams (generation and event streams)
+  are capped per tenant and in all (429 ``quota_exceeded``), and come back when closed;
+- a tenant's token reads only its own metrics (its requests, agents, usage; nothing of the pool or
+  the other tenants), an admin token reads them all and nothing else; a tenant's events are numbered
+  in its own sequence, which other tenants' activity does not move;
+- a tenant keeps at most ``--max-registered-agents`` registered agents (its least recently registered
+  dropped), and ``DELETE /v1/kv/agents?name=`` (``unregister_agent``) frees one; ``/v1/kv/fidelity``
+  refuses a check longer than ``--max-fidelity-tokens`` with a 400;
+- a hung (SIGSTOPped) cluster worker is found by its missed heartbeats: ``/health`` says the cluster
+  is degraded and requests on its handles are answered by the other worker.
+The model-free parts (the fair queue, the connection guard, the event views, the bounded caches)
+are checked on their own below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import anyio
+import anyio.lowlevel
+import kvbaton
+import pytest
+from server_fixtures import TOKEN_A, TOKEN_B, ServerProcess, running
+
+WAIT_S = 180.0  # how long a server may take to get somewhere (a busy 2-core machine), never a measured bound
+ADMIN = "limits-admin-token"
+CLIENT_TIMEOUT_S = 2
+LIMITS = ["--kv-budget", "48MiB", "--token", TOKEN_A, "--token", TOKEN_B, "--admin-token", ADMIN,
+          "--client-timeout", str(CLIENT_TIMEOUT_S), "--max-requests", "1", "--max-requests-per-tenant", "1",
+          "--max-streams", "3", "--max-streams-per-tenant", "2", "--max-registered-agents", "2",
+          "--max-fidelity-tokens", "8", "--max-tokens", "64", "--default-max-tokens", "2"]
+HUNG = ["--devices", "cpu,cpu", "--kv-budget", "48MiB", "--heartbeat-timeout", "3"]
+
+
+def until(predicate: Callable[[], bool], what: str) -> None:
+    """Wait for a state (polling; the assertion is on the state, never on the time it took)."""
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"never got to: {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, ServerProcess]]:
+    with running({"limits": ServerProcess(LIMITS, token=TOKEN_A), "hung": ServerProcess(HUNG)}) as procs:
+        yield procs
+
+
+@pytest.fixture(scope="module")
+def limits(servers) -> ServerProcess:
+    servers["limits"].wait_healthy(WAIT_S)
+    return servers["limits"]
+
+
+def _exits_before_loading(args: list[str], port: int | None = None) -> str:
+    proc = ServerProcess([*args, "--log-level", "info"], port=port)
+    try:
+        proc.start(wait=False)
+        assert proc.proc is not None
+        assert proc.proc.wait(WAIT_S) == 2
+        return proc.output()
+    finally:
+        proc.stop()
+        proc.log.unlink(missing_ok=True)
+
+
+# -- start-up -------------------------------------------------------------------------------------------
+
+
+def test_a_taken_port_fails_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = _exits_before_loading([], port=taken.getsockname()[1])
+    assert "cannot bind 127.0.0.1" in out and "in use" in out
+    assert "loading" not in out and "serving" not in out
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--token", ""], "tokens must be non-empty"),
+    (["--token", "a", "--admin-token", " "], "admin tokens must be non-empty"),
+    (["--handle-ttl", "0"], "handle TTL"),
+    (["--max-streams", "-1"], "max_streams"),
+    (["--client-timeout", "0"], "client timeout"),
+    (["--max-kv-bytes-per-tenant", "lots"], "invalid KV budget"),
+])
+def test_a_bad_option_is_refused_before_the_model_loads(args, says):
+    out = _exits_before_loading(args)
+    assert says in out and "loading" not in out
+
+
+# -- stalled connections ----------------------------------------------------------------------------------
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    sock.settimeout(WAIT_S)
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
+def test_stalled_connections_are_closed_after_the_client_timeout(limits):
+    port = limits.port
+    with socket.create_connection(("127.0.0.1", port)) as slowloris:
+        slowloris.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ")
+        assert _read_all(slowloris).startswith(b"HTTP/1.1 408 ")
+    with socket.create_connection(("127.0.0.1", port)) as silent:
+        assert _read_all(silent).startswith(b"HTTP/1.1 408 ")
+    with socket.create_connection(("127.0.0.1", port)) as slow_body:
+        slow_body.sendall(b"POST /v1/kv/tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN_A.encode()
+                          + b"\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n{\"text\":")
+        assert _read_all(slow_body) == b""  # closed; no answer to a request that never arrived
+    with limits.http() as http:  # a client that keeps up: keep-alive requests as ever
+        for _ in range(3):
+            assert http.post("/v1/kv/tokenize", json={"text": "hello"}).status_code == 200
+
+
+# -- fair slots and stream caps ------------------------------------------------------------------------------
+
+
+def _gauge(text: str, name: str) -> float:
+    found = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_flooding_tenant_waits_its_turn_and_the_other_is_served_next(limits):
+    body = {"prompt": "One, two, three, four,", "max_tokens": 24, "ignore_eos": True}
+    done: list[str] = []
+    lock = threading.Lock()
+    statuses: list[int] = []
+
+    def send(token: str, who: str) -> None:
+        with limits.http(token=token, timeout=WAIT_S) as http:
+            status = http.post("/v1/kv/complete", json=body).status_code
+        with lock:
+            statuses.append(status)
+            done.append(who)
+
+    flood = [threading.Thread(target=send, args=(TOKEN_A, "a")) for _ in range(5)]  # 1 running + 4 waiting
+    for t in flood:
+        t.start()
+    with limits.http() as a:
+        until(lambda: _gauge(a.get("/metrics").text, "kvbaton_tenant_requests_waiting") == 4, "A's queue full")
+        refused = a.post("/v1/kv/complete", json=body)  # a fifth waiting request: over A's queue bound
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "quota_exceeded"
+    with lock:
+        before = len(done)
+    other = threading.Thread(target=send, args=(TOKEN_B, "b"))
+    other.start()
+    for t in [*flood, other]:
+        t.join(WAIT_S)
+    assert statuses == [200] * 6
+    # Round robin: after B queued, A got at most the slot that was next in turn (and the one running).
+    assert done.index("b") <= before + 2, done
+
+
+def test_open_streams_are_capped_per_tenant_and_in_all(limits):
+    a, b = limits.http(token=TOKEN_A), limits.http(token=TOKEN_B)
+    with a, b:
+        opened = [a.stream("GET", "/v1/kv/events/stream") for _ in range(2)]
+        try:
+            for s in opened:
+                assert s.__enter__().status_code == 200
+            over = a.get("/v1/kv/events/stream")
+            assert over.status_code == 429 and "open streams" in over.json()["error"]["message"]
+            # a generation stream counts the same
+            generation = a.post("/v1/kv/complete", json={"prompt": "x", "max_tokens": 2, "stream": True})
+            assert generation.status_code == 429
+            with b.stream("GET", "/v1/kv/events/stream") as third:  # the server's third and last
+                assert third.status_code == 200
+                assert b.get("/v1/kv/events/stream").status_code == 429  # the server's limit, not B's
+        finally:
+            for s in opened:
+                s.__exit__(None, None, None)
+        until(lambda: _gauge(a.get("/metrics").text, "kvbaton_tenant_streams_open") == 0, "A's streams closed")
+        with a.stream("GET", "/v1/kv/events/stream") as again:
+            assert again.status_code == 200
+
+
+# -- per-tenant metrics and events ---------------------------------------------------------------------------
+
+
+def test_a_tenant_reads_only_its_own_metrics_and_the_admin_reads_them_all(limits):
+    a, b = limits.http(token=TOKEN_A), limits.http(token=TOKEN_B)
+    admin = limits.http(token=ADMIN)
+    with a, b, admin:
+        b_next = b.get("/v1/kv/events").json()["next"]
+        a_tokens = 0
+        for agent in ("alice", "alison", "alina"):
+            r = a.post("/v1/kv/generate", json={"messages": [{"role": "user", "content": "Hi"}], "agent": agent})
+            assert r.status_code == 200, r.text
+            a_tokens += r.json()["timings"]["tokens_generated"]
+            a.post("/v1/kv/release", json={"handles": [r.json()["handle"]["id"]]})
+        r = b.post("/v1/kv/generate", json={"messages": [{"role": "user", "content": "Hi"}], "agent": "bob"})
+        b_tokens = r.json()["timings"]["tokens_generated"]
+        b.post("/v1/kv/release", json={"handles": [r.json()["handle"]["id"]]})
+        mine, theirs, everything = a.get("/metrics").text, b.get("/metrics").text, admin.get("/metrics").text
+        a_id = re.search(r'agent="alice",tenant="(t-[0-9a-f]+)"', mine).group(1)
+        b_id = re.search(r'agent="bob",tenant="(t-[0-9a-f]+)"', theirs).group(1)
+        assert "bob" not in mine and b_id not in mine and "alice" not in theirs and a_id not in theirs
+        for shared in ("kvbaton_pool_blocks", "kvbaton_engine_tokens", "kvbaton_handles_live"):
+            assert shared not in mine and shared in everything
+        assert 'kvbaton_requests_total{endpoint="/v1/kv/generate",method="POST",status="200"} 3.0' in mine
+        assert 'kvbaton_requests_total{endpoint="/v1/kv/generate",method="POST",status="200"} 1.0' in theirs
+        generated = 'kvbaton_generated_tokens_total{endpoint="/v1/kv/generate"} '
+        assert f"{generated}{a_tokens:.1f}" in mine and f"{generated}{b_tokens:.1f}" in theirs  # its own generations
+        assert "alice" in everything and "bob" in everything
+        assert admin.get("/v1/kv/stats").status_code == 401  # the admin token is no tenant
+        # B's events: its own numbers, one request of its own since b_next, whatever A did meanwhile
+        page = b.get("/v1/kv/events", params={"since": b_next}).json()
+        requests = [e for e in page["events"] if e["kind"] == "request"]
+        assert [e["agent"] for e in requests] == ["bob"] and requests[0]["seq"] == b_next + 1
+
+
+# -- bounded per-tenant memory ------------------------------------------------------------------------------
+
+
+def test_registered_agents_are_bounded_per_tenant_and_can_be_unregistered(limits):
+    with kvbaton.connect(limits.url, token=TOKEN_A) as a, limits.http(token=TOKEN_B) as b:
+        assert b.post("/v1/kv/agents", json={"name": "b-only", "fixed_prompt": "You are B."}).status_code == 200
+        for name in ("first", "second", "third"):  # over A's limit of 2: "first" is dropped
+            assert a.register_agent(name, f"You are the {name} agent.").fixed_tokens > 0
+        assert _gauge(b.get("/metrics").text, "kvbaton_tenant_agents_registered") == 1  # B's own, untouched
+        assert a.unregister_agent("first") is False  # dropped already
+        assert a.unregister_agent("third") is True
+        assert a.unregister_agent("third") is False
+        assert a.unregister_agent("b-only") is False  # B's agent is no name of A's
+        gone = b.delete("/v1/kv/agents", params={"name": "b-only"})
+        assert gone.status_code == 200 and gone.json() == {"unregistered": True}
+
+
+def test_fidelity_checks_are_bounded(limits):
+    with limits.http() as http:
+        h = http.post("/v1/kv/materialize", json={"context": "A short context to check."}).json()
+        too_long = http.post("/v1/kv/fidelity", json={"handle": h["id"], "max_tokens": 9})
+        assert too_long.status_code == 400 and "--max-fidelity-tokens" in too_long.json()["error"]["message"]
+        assert http.post("/v1/kv/fidelity", json={"handle": h["id"], "max_tokens": 4}).status_code == 200
+        http.post("/v1/kv/release", json={"handles": [h["id"]]})
+
+
+# -- a hung cluster worker ----------------------------------------------------------------------------------
+
+
+def test_a_hung_worker_is_reported_and_its_requests_fail_over(servers):
+    cluster = servers["hung"]
+    cluster.wait_healthy(WAIT_S)
+    with cluster.http(timeout=WAIT_S) as http:
+        h = http.post("/v1/kv/materialize", json={"context": "Notes kept on one worker."}).json()
+        workers = {w["rank"]: w["pid"] for w in http.get("/v1/kv/stats").json()["cluster"]["workers"]}
+        pid = workers[h["placement"]["worker"]]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # Without heartbeats this request would wait on the stopped worker forever.
+            r = http.post("/v1/kv/resume", json={"handle": h["id"], "suffix": " and more", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            health = http.get("/health")
+            assert health.status_code == 200 and health.json()["status"] == "degraded"
+            assert "heartbeat" in health.json()["reason"] and "1 of 2 workers alive" in health.json()["reason"]
+            assert http.post("/v1/kv/complete", json={"prompt": "Still here?", "max_tokens": 2}).status_code == 200
+        finally:
+            os.kill(pid, signal.SIGCONT)  # a worker that wakes up finds its connection closed (it was killed)
+        assert http.get("/health").json()["status"] == "degraded"  # a stopped worker does not come back
+
+
+# -- the model-free parts -------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_the_fair_queue_hands_slots_round_robin_and_bounds_each_wait():
+    from kvbaton.backend.server.concurrency import Concurrency
+    from kvbaton.errors import QuotaExceeded, ServerUnavailable
+
+    async def scenario() -> list[str]:
+        slots = Concurrency(max_requests=1, per_tenant=None, max_streams=None, max_streams_per_tenant=None,
+                            wait_s=5, max_queued=3)
+        order: list[str] = []
+        await slots.acquire("a")  # a holds the one slot
+
+        async def wait(who: str, tenant: str) -> None:
+            await slots.acquire(tenant)
+            order.append(who)
+            slots.release(tenant)
+
+        async with anyio.create_task_group() as tasks:
+            for i in range(3):
+                tasks.start_soon(wait, f"a{i}", "a")
+                await anyio.sleep(0.01)
+            with pytest.raises(QuotaExceeded):  # a fourth waiting request of a: over its queue bound
+                await slots.acquire("a")
+            tasks.start_soon(wait, "b0", "b")
+            await anyio.sleep(0.01)
+            slots.release("a")
+        short = Concurrency(max_requests=1, per_tenant=None, max_streams=None, max_streams_per_tenant=None, wait_s=0.05)
+        await short.acquire("a")
+        with pytest.raises(ServerUnavailable):
+            await short.acquire("b")
+        return order
+
+    assert anyio.run(scenario) == ["a0", "b0", "a1", "a2"]
+
+
+@pytest.mark.unit
+def test_stream_counts_come_back_once_closed():
+    from kvbaton.backend.server.concurrency import Concurrency
+    from kvbaton.errors import QuotaExceeded
+
+    slots = Concurrency(max_requests=None, per_tenant=None, max_streams=2, max_streams_per_tenant=1)
+    close = slots.open_stream("a")
+    with pytest.raises(QuotaExceeded):
+        slots.open_stream("a")
+    other = slots.open_stream("b")
+    with pytest.raises(QuotaExceeded):
+        slots.open_stream("c")  # the server's limit
+    close()
+    close()  # idempotent: counted back once
+    slots.open_stream("c")
+    other()
+    assert slots.usage("a") == (0, 0, 0) and slots.usage("c") == (0, 0, 1)
+
+
+@pytest.mark.unit
+def test_an_unread_answer_is_abandoned_after_the_client_timeout():
+    """The connection guard on a real uvicorn: a client that reads the head of a long answer and then
+    nothing more has its connection aborted, and the app sees the disconnect (its request cancelled)."""
+    from kvbaton.backend.server.listener import bind, bound_port, http_server
+    from starlette.responses import StreamingResponse
+
+    cancelled = threading.Event()
+
+    async def endless():  # the body of an answer that never ends (a stream)
+        try:
+            while True:
+                yield b"x" * 65536
+                # as a real stream awaits its next token (a send to a gone client returns at once)
+                await anyio.lowlevel.checkpoint()
+        finally:
+            cancelled.set()
+
+    async def app(scope, receive, send):  # a bare ASGI app
+        if scope["type"] == "http":
+            await StreamingResponse(endless())(scope, receive, send)
+
+    sock = bind("127.0.0.1", 0)
+    server = http_server(app, log_level="warning", client_timeout=0.5)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.connect(("127.0.0.1", bound_port(sock)))
+    client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    client.recv(100)  # the head, then nothing more is read
+    try:
+        assert cancelled.wait(WAIT_S)
+    finally:
+        client.close()
+        server.should_exit = True
+        thread.join(WAIT_S)
+        sock.close()
+
+
+@pytest.mark.unit
+def test_a_taken_port_is_an_error_naming_the_address():
+    from kvbaton.backend.server.listener import bind
+    from kvbaton.errors import InvalidRequest
+
+    first = bind("127.0.0.1", 0)
+    try:
+        with pytest.raises(InvalidRequest, match=r"cannot bind 127\.0\.0\.1:\d+"):
+            bind("127.0.0.1", first.getsockname()[1])
+    finally:
+        first.close()
+
+
+@pytest.mark.unit
+def test_event_views_number_each_tenants_events_on_their_own():
+    from kvbaton.backend.server.eventviews import EventViews
+    from kvbaton.types import Event, Events
+
+    engine = [Event(seq=i, kind="request", time=0.0, agent=f"{'ab'[i % 2]}/x") for i in range(1, 8)]
+
+    def read(since: int) -> Events:
+        after = [e for e in engine if e.seq > since]
+        return Events(events=after, next=after[-1].seq if after else since)
+
+    def route(event: Event) -> list[tuple[str, Event]]:
+        return [(event.agent.split("/")[0], event)]
+
+    views = EventViews(read, route, renumber=True)
+    views.pump()
+    a, b = views.page("a", 0), views.page("b", 0)
+    assert [e.seq for e in a.events] == [1, 2, 3] and [e.seq for e in b.events] == [1, 2, 3, 4]
+    assert views.page("a", a.next).events == [] and views.page("nobody", 0).events == []
+    engine.append(Event(seq=8, kind="request", time=0.0, agent="b/x"))
+    views.pump()
+    assert [e.seq for e in views.page("b", 4).events] == [5] and views.last("a") == 3
+
+
+@pytest.mark.unit
+def test_registered_agents_drop_a_tenants_least_recently_registered():
+    from kvbaton.backend.server.tenancy import RegisteredAgents
+    from kvbaton.backend.tenants import AgentRef
+
+    agents = RegisteredAgents(2)
+    assert agents.add("t", AgentRef("t", "a")) == [] and agents.add("t", AgentRef("t", "b")) == []
+    assert agents.add("u", AgentRef("u", "a")) == []  # another tenant's count
+    assert agents.add("t", AgentRef("t", "a")) == []  # again: refreshed
+    assert agents.add("t", AgentRef("t", "c")) == [AgentRef("t", "b")]
+    assert agents.remove("t", AgentRef("t", "a")) and not agents.remove("t", AgentRef("t", "b"))
+    assert agents.count("t") == 1 and agents.count("u") == 1
+
+
+@pytest.mark.unit
+def test_the_grammar_cache_is_bounded_by_count_and_size():
+    from kvbaton.backend.runtime.constrained import _GrammarCache
+
+    cache = _GrammarCache(max_entries=3, max_bytes=10**9)
+    formats = [json.dumps({"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {f"k{i}": {"type": "integer"}}}}}) for i in range(5)]
+    for f in formats:
+        cache.get(f)
+    assert len(cache) == 3
+    small = _GrammarCache(max_entries=100, max_bytes=len(formats[0]) + len(cache.get(formats[0])) + 1)
+    for f in formats:
+        small.get(f)
+    assert len(small) == 1 and small.bytes <= small.max_bytes
+
+
+@pytest.mark.unit
+def test_every_limit_is_checked_without_an_engine():
+    from kvbaton.backend.server.app import check_serve_options
+    from kvbaton.errors import InvalidRequest
+
+    check_serve_options("127.0.0.1", [], max_streams=0, max_requests=4, handle_ttl=3.0)
+    for options in ({"threads": 0}, {"max_requests_per_tenant": -1}, {"max_fidelity_tokens": True},
+                    {"served_model_names": [""]}, {"reuse": "sometimes"}, {"no_such_option": 1},
+                    {"admin_token": ["a b"]}, {"client_timeout": -1.0}):
+        with pytest.raises(InvalidRequest):
+            check_serve_options("127.0.0.1", [], **options)
+    with pytest.raises(InvalidRequest):
+        check_serve_options("0.0.0.0", [""])
