@@ -184,6 +184,16 @@ def watch_kv(name: str, poll: Poll) -> None:
         _active[-1].sampler.add(name, poll)
 
 
+_unreaped_cpu_s = [0.0]  # see note_own_cpu
+
+
+def note_own_cpu(seconds: float) -> None:
+    """``seconds`` of CPU that processes this run started used and that the kernel will not count as waited-for
+    children of this process (a peer server's workers killed with its process group, never reaped by us):
+    :func:`cpu_seconds` counts them as this run's own, not as other load on the machine."""
+    _unreaped_cpu_s[0] += max(0.0, seconds)
+
+
 def cpu_seconds() -> tuple[float, float] | None:
     """(CPU seconds the whole machine has been busy since boot, steal time included; CPU seconds of
     this process and its waited-for children). None where /proc/stat cannot be read."""
@@ -195,7 +205,7 @@ def cpu_seconds() -> tuple[float, float] | None:
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields
     own = os.times()
     return ((user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"),
-            own.user + own.system + own.children_user + own.children_system)
+            own.user + own.system + own.children_user + own.children_system + _unreaped_cpu_s[0])
 
 
 def other_cpu_seconds(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbaton.bench.processes import dies_with_parent, free_port
+from kvbaton.bench.record import note_own_cpu
 from kvbaton.bench.workloads import Workload, run_workload
 
 VLLM_PYTHON_ENV = "KVBATON_VLLM_PYTHON"
@@ -105,6 +106,11 @@ def vllm_checkpoint(src: Path, root: Path) -> Path:
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
     return dst
+
+
+def _reaped_children_cpu() -> float:
+    times = os.times()
+    return times.children_user + times.children_system
 
 
 def _group_alive(group: int, proc: subprocess.Popen[bytes]) -> bool:
@@ -253,6 +259,10 @@ class VllmPeer:
         if proc is None:
             return
         group = proc.pid  # start_new_session: the server leads its own process group (its workers in it)
+        # The group's CPU so far, and what of it reaches us as the reaped leader's: its workers, killed with the
+        # group, may never be reaped through the leader, and would read as other load in the record.
+        used = self._group_cpu(children=True)
+        reaped = _reaped_children_cpu()
         _signal_group(group, signal.SIGTERM)
         deadline = time.monotonic() + VLLM_STOP_S
         while time.monotonic() < deadline and _group_alive(group, proc):
@@ -260,9 +270,14 @@ class VllmPeer:
         if _group_alive(group, proc):
             _signal_group(group, signal.SIGKILL)
         proc.wait()
+        note_own_cpu(used - (_reaped_children_cpu() - reaped))
 
     def cpu_seconds(self) -> float:
         """CPU seconds (user + system) used so far by the server's live processes."""
+        return self._group_cpu(children=False)
+
+    def _group_cpu(self, children: bool) -> float:
+        """CPU seconds of the server's live processes (``children``: with what they reaped of theirs)."""
         if self.proc is None:
             return 0.0
         ticks = 0
@@ -272,7 +287,7 @@ class VllmPeer:
             except (OSError, IndexError):
                 continue
             if int(fields[2]) == self.proc.pid:  # pgrp
-                ticks += int(fields[11]) + int(fields[12])  # utime, stime
+                ticks += sum(int(x) for x in fields[11:15 if children else 13])  # utime, stime (cutime, cstime)
         return ticks / os.sysconf("SC_CLK_TCK")
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:

@@ -137,6 +137,21 @@ def test_cpu_time_of_other_processes_excludes_this_process_and_its_waited_for_ch
 
 
 @pytest.mark.unit
+def test_cpu_of_started_processes_that_are_never_reaped_counts_as_the_runs_own(monkeypatch):
+    """A peer server's workers die with its process group and never reach us as waited-for children: their
+    CPU, noted when the server stops, is the run's own work, not other load."""
+    before = record.cpu_seconds()
+    if before is None:
+        pytest.skip("no /proc/stat here")
+    monkeypatch.setattr(record, "_unreaped_cpu_s", [0.0])
+    start = record.cpu_seconds()
+    record.note_own_cpu(12.5)
+    record.note_own_cpu(-3.0)  # a negative reading (rounding at the stop) adds nothing
+    after = record.cpu_seconds()
+    assert start is not None and after is not None and after[1] - start[1] >= 12.5
+
+
+@pytest.mark.unit
 def test_peak_sampler_keeps_high_water_marks_and_drops_closed_engines():
     values = iter([10, 30, 20])
     closed = {"yes": False}

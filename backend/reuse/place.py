@@ -47,6 +47,17 @@ APPROXIMATE = ("rotated", "corrected", "blended")
 # How each reuse policy places a span: selective recomputation, re-alignment only, anchor-pool correction.
 POLICY_MODES = {"auto": "blend", "rotate": "rotate", "correct": "auto"}
 _ROTATED = "keys re-aligned to the new positions; no correction (mode='rotate')"
+# Automatic reuse places a span only where its source read it at about the same position: a span read
+# ``start`` tokens into its source and placed ``offset`` tokens into a prompt differs from it in at least
+# ``|offset - start|`` of the tokens it attends to. Beyond this many, its K/V miss (or hold) too much context:
+# a map-reduce reducer whose document is stitched from four parts, each read behind only a persona, took
+# another first token than dense prefill in 8 of 8 documents with the parts re-aligned (and blended at 10%),
+# sometimes with a margin the gate let through; persona swaps (tens of tokens) stay far below it.
+MAX_CONTEXT_GAP = 256
+# reuse="auto" probes (computes the prompt's tokens outside the spans behind them) only when that is at most
+# this share of what a rejection prefills densely: so a rejection costs at most this much more than dense
+# prefill (the target of docs/results.md, agents). Beyond it the reusable share is small anyway.
+PROBE_SHARE = 0.25
 
 
 class Forward(Protocol):
@@ -113,6 +124,8 @@ class Placer:
             # The prompt's last TAIL tokens are always computed (the last one: the request needs its logits).
             end = max(state.num_cached, state.num_tokens - TAIL)
             found = self._spans.find(state.token_ids, state.num_cached, end, partition)
+            far = [m for m in found if abs(m.offset - m.start) > MAX_CONTEXT_GAP]  # computed with the rest
+            found = [m for m in found if abs(m.offset - m.start) <= MAX_CONTEXT_GAP]
             pinned = [b for m in found for b in m.source.blocks]
             self._kv.pin(pinned)  # the sources may be released meanwhile: keep their K/V readable
         try:
@@ -134,6 +147,8 @@ class Placer:
                         logits = _last(state)
             if state.exact_len is not None:  # answered from approximate K/V: maybe checked, in the background
                 self._audit.submit(state.agent, state.token_ids, int(logits.argmax()))
+            if far:
+                reports = self._with_far(state, reports, far)
             return Filled(logits, reports, round(work.discarded))
         finally:
             self._kv.unpin(pinned)
@@ -155,6 +170,15 @@ class Placer:
            fidelity that disagree say the approximation decides the answer. Else everything is prefilled
            densely (late rejection, which costs the probe and the blend on top of the dense prefill)."""
         cfg = self.correction
+        fallback = state.num_tokens - spans[0][3]  # what a rejection prefills densely
+        probe_tokens = fallback - sum(end - start for _, start, end, _ in spans)
+        if probe_tokens > PROBE_SHARE * fallback:
+            why = (f"the confidence gate's probe would compute {probe_tokens} of the {fallback} tokens from the first "
+                   f"span on (more than {PROBE_SHARE:.0%}): a rejection would cost more than the dense prefill it "
+                   f"falls back to, so it was prefilled")
+            reports = [self._report(i, src, start, end, offset, "recomputed", why, 0, 0, state)
+                       for i, (src, start, end, offset) in enumerate(spans)]
+            return work.compute(state), reports
         reports = self.place_all(work, state, spans, "rotate")
         probe = work.compute(state)
         rotated = [r for r in reports if r.outcome == "rotated"]
@@ -197,6 +221,17 @@ class Placer:
             blended = self._reject(work, state, blended, first, why)
             return _last(state), blended
         return logits, blended
+
+    def _with_far(self, state: KVState, reports: list[SegmentReport], far: Sequence[Any]) -> list[SegmentReport]:
+        """``reports`` and one for each span found but prefilled densely (``MAX_CONTEXT_GAP``), by offset."""
+        for m in far:
+            gap = abs(m.offset - m.start)
+            why = (f"read {m.start} tokens into its source and {m.offset} here: at least {gap} tokens of the context "
+                   f"it attends to differ (more than {MAX_CONTEXT_GAP}), so it was prefilled")
+            reports.append(self._report(0, m.source, m.start, m.start + m.length, m.offset, "recomputed", why, 0, 0,
+                                        state))
+        reports.sort(key=lambda r: r.offset)
+        return [r.model_copy(update={"index": i}) for i, r in enumerate(reports)]
 
     # -- the confidence gate ---------------------------------------------------------------------
     def _reject(
