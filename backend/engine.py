@@ -321,7 +321,7 @@ class Engine(ConfiguredEngine):
                 keep = min(keep, parent.exact_len)  # exact asked: an approximate handle's rest is recomputed densely
             if partition is not None:
                 # The agent's own earlier approximate turn: resume it rather than re-prefill its transcript.
-                own, n = self.spans.approximate_prefix(prompt, partition)
+                own, n = self.spans.approximate_prefix(prompt, partition, self.kv.is_retained)
                 cache_partition = self._partition.cache_partition(ref.tenant)
                 if own is not None and n >= max(keep, self.kv.cached_prefix(prompt, cache_partition)) + MIN_SPAN:
                     parent, keep = own, n
@@ -333,6 +333,9 @@ class Engine(ConfiguredEngine):
                     token_ids=tuple(prompt[keep:]),
                 )
                 state = self._share(ref, parent, keep, prompt[keep:], step)
+                if self.kv.is_retained(parent):  # a released turn's state: this, its next turn, takes it
+                    self.kv.unretain(parent)
+                    self.spans.forget_approximate(parent.id)
         reuse_step = None if partition is None else AutoReuse(self.placer, policy, partition)
         return self.requests.stream(state, params, ref, reuse_step)
 
@@ -340,8 +343,13 @@ class Engine(ConfiguredEngine):
         with self._lock:
             released = self.handles.release(handles)  # all or nothing
             for _, state in released:
-                self.spans.release(state, self.kv.held_by_cache(state))  # its cached blocks stay sources
-                self.kv.drop(state)
+                # An approximate state stays, as a cache, for its own next turn; its exact cached blocks stay sources.
+                retain = self.spans.is_approximate(state) and bool(state.blocks)
+                self.spans.release(state, self.kv.held_by_cache(state), retained=retain)
+                if retain:
+                    self.kv.retain(state)
+                else:
+                    self.kv.drop(state)
         if self._persisted is not None:  # durable: a released handle never comes back
             self._persisted.released([hid for hid, _ in released])
 
@@ -467,6 +475,7 @@ class Engine(ConfiguredEngine):
         with self._lock:
             if self.cache is not None:
                 self.cache.flush()
+            self.kv.drop_retained()
 
     def cached_prefix(self, tokens: Sequence[int], agent: Agent | None = None) -> int:
         """How many leading ``tokens`` the prefix cache holds on the device for ``agent``'s requests
@@ -563,6 +572,7 @@ class Engine(ConfiguredEngine):
             for state in self.handles.states():
                 self.kv.drop(state)
                 self.handles.discard(state.id)
+            self.kv.drop_retained()
             self.spans.clear()
         self.audit.close()
         self.placer.close()

@@ -8,7 +8,8 @@ what another agent already read (the span index + ``reuse=`` policies), never si
 - the span index is partitioned (tenants, and sessions: a run never places another run's spans) and bounded;
 - a released source stays one for as long as the prefix cache holds its blocks, never longer (issue 40);
 - ``reuse="exact"`` is exact, whatever handle it is given;
-- an agent resumes its own approximate turn instead of re-prefilling its transcript;
+- an agent resumes its own approximate turn instead of re-prefilling its transcript, also after releasing
+  it (kept as a cache that gives way to any request needing its blocks);
 - the silent spots of issue 19 each have a regression test here.
 """
 
@@ -271,6 +272,58 @@ def test_audit_raises_the_gate_of_an_agent_that_disagrees_and_stays_bounded():
 
 
 # -- issue 40: released sources, sessions, exact means exact ------------------------------------------
+
+
+def test_an_agent_resumes_its_own_approximate_turn_after_releasing_it(doc):
+    """The README's pattern with ``reuse="auto"``: every turn's handle released at once. The approximate state
+    of the reviewer's first turn is kept, as a cache, for its own next turn (before: that turn placed the
+    document again from the reader's blocks); the next turn takes it, and nothing is left held."""
+    engine = Engine(kv_budget="128MiB", audit_fraction=0)
+    try:
+        engine.release(engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader").handle)
+        first = engine.generate(chat(REVIEWER, doc, "Risk?"), sampling=GREEDY, agent="reviewer", reuse="rotate")
+        assert not first.exact
+        engine.release(first.handle)
+        assert engine.kv.retained_blocks > 0
+        follow_up = chat(REVIEWER, doc, "Risk?") + [
+            {"role": "assistant", "content": first.text}, {"role": "user", "content": "And the owner?"}
+        ]
+        second = engine.generate(follow_up, sampling=GREEDY, agent="reviewer", reuse="rotate")
+        assert second.timings.tokens_reused >= first.handle.num_tokens - 4 and not second.exact
+        assert engine.kv.retained_blocks == 0  # taken by the next turn: one use only
+        # reuse="exact" never starts from a retained approximate state.
+        engine.release(second.handle)
+        exact = engine.generate(follow_up + [{"role": "assistant", "content": second.text},
+                                             {"role": "user", "content": "Who decides?"}], sampling=GREEDY,
+                                agent="reviewer", reuse="exact")
+        assert exact.exact and exact.timings.tokens_approximate == 0
+        engine.release(exact.handle)
+        engine.flush_cache()
+        assert engine.kv.retained_blocks == 0 and engine.pool.num_free == engine.pool.num_blocks
+    finally:
+        engine.close()
+
+
+def test_a_retained_approximate_state_gives_its_blocks_to_a_request_that_needs_them(doc):
+    """Retained approximate states are a cache, not a reservation: a request that needs the whole pool
+    gets it (they go before any live handle is spilled), and the dropped state is never resumed."""
+    engine = Engine(kv_budget="40 blocks", audit_fraction=0)
+    try:
+        engine.release(engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader").handle)
+        first = engine.generate(chat(REVIEWER, doc, "Risk?"), sampling=GREEDY, agent="reviewer", reuse="rotate")
+        engine.release(first.handle)
+        assert engine.kv.retained_blocks > 0
+        whole_pool = 40 * engine.block_size - 1
+        other = engine.materialize(engine.tokenize(document(600, seed=99))[:whole_pool])
+        assert engine.kv.retained_blocks == 0
+        engine.release(other)
+        follow_up = chat(REVIEWER, doc, "Risk?") + [
+            {"role": "assistant", "content": first.text}, {"role": "user", "content": "And the owner?"}
+        ]
+        second = engine.generate(follow_up, sampling=GREEDY, agent="reviewer", reuse="rotate")
+        assert second.timings.tokens_reused < first.handle.num_tokens - 4  # not resumed from freed blocks
+    finally:
+        engine.close()
 
 
 def test_a_released_readers_document_is_reused_while_the_prefix_cache_holds_it(engine, doc):

@@ -6,6 +6,12 @@ alike), offering finished blocks to the cache, dropping and trimming a state's b
 or writing K/V rows of a state. When a reservation cannot be met after evicting the cache, idle
 live handles are spilled (:mod:`.spill`) before :class:`PoolExhausted` is raised.
 
+Released approximate states are a cache too (:meth:`retain`): their K/V cannot enter the prefix cache, but
+the same agent's next turn resumes from them (``reuse="auto"``), so a workflow that releases each result at
+once (the README's pattern) keeps that resume. At most :data:`MAX_RETAINED` of them, the oldest first, and a
+reservation short of blocks drops them after the prefix cache's evictable blocks and before any live handle
+is spilled: they never make a request fail.
+
 Invariants:
 
 - a state owns one pool reference per block in ``state.blocks``; a block it will write is private
@@ -28,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +57,8 @@ log = logging.getLogger(__name__)
 SUSPENDED_GRACE_S = 0.5
 # Blocks :meth:`KVManager.fill` holds in host memory and writes in one batched copy.
 FILL_BATCH = 64
+# Released approximate states kept for their own next turn (:meth:`KVManager.retain`).
+MAX_RETAINED = 64
 
 
 @dataclass
@@ -93,6 +101,7 @@ class KVManager:
         self._suspended: dict[str, float] = {}  # in flight, but left at a yield by its consumer (since when)
         self.freed = threading.Condition(lock)  # signalled when blocks may have come back
         self._last_back = time.monotonic()  # when blocks last came back (a waiting reservation's progress)
+        self._retained: OrderedDict[str, KVState] = OrderedDict()  # released approximate states, oldest first
 
     # -- states --------------------------------------------------------------------------------
     def share(self, parent: KVState | None, keep: int, added: Sequence[int], step: LineageStep) -> KVState:
@@ -195,6 +204,10 @@ class KVManager:
             needed = missing + int(cow)
             if needed > self.pool.num_free and self.cache is not None:
                 self.cache.evict(needed - self.pool.num_free)
+            if needed > self.pool.num_free and self._retained:
+                self._drop_retained(needed - self.pool.num_free)
+                if needed > self.pool.num_free and self.cache is not None:  # blocks they shared with the cache
+                    self.cache.evict(needed - self.pool.num_free)
             if needed > self.pool.num_free:  # the last resort: idle live handles
                 self.spiller.free(needed - self.pool.num_free, self._pinned, exclude=state)
             if needed > self.pool.num_free:
@@ -230,6 +243,53 @@ class KVManager:
             self._in_flight.pop(state.id, None)
             self._suspended.pop(state.id, None)
             self._blocks_back()
+
+    # -- released approximate states ------------------------------------------------------------
+    def retain(self, state: KVState) -> None:
+        """Keep a released approximate state's blocks, as a cache: until its own next turn takes it
+        (:meth:`unretain`), :data:`MAX_RETAINED` newer ones push it out, or a reservation needs its blocks."""
+        with self.lock:
+            self.spiller.forget(state)
+            self._in_flight.pop(state.id, None)
+            self._suspended.pop(state.id, None)
+            self._retained[state.id] = state
+            while len(self._retained) > MAX_RETAINED:
+                self._release_retained(next(iter(self._retained)))
+
+    def is_retained(self, state: KVState) -> bool:
+        return self._retained.get(state.id) is state
+
+    def unretain(self, state: KVState) -> None:
+        """Stop keeping ``state`` (taken by its next turn, which holds its own references now)."""
+        with self.lock:
+            if self.is_retained(state):
+                self._release_retained(state.id)
+
+    def drop_retained(self) -> None:
+        """Drop every retained state (a cache flush)."""
+        with self.lock:
+            for state_id in list(self._retained):
+                self._release_retained(state_id)
+
+    @property
+    def retained_blocks(self) -> int:
+        with self.lock:
+            return sum(len(state.blocks) for state in self._retained.values())
+
+    def _drop_retained(self, blocks: int) -> None:
+        """Free at least ``blocks`` blocks by dropping retained states, the oldest first (lock held)."""
+        before = self.pool.num_free
+        while self._retained and self.pool.num_free - before < blocks:
+            self._release_retained(next(iter(self._retained)))
+
+    def _release_retained(self, state_id: str) -> None:
+        state = self._retained.pop(state_id)
+        self.spiller.forget(state)
+        self.pool.decref(state.blocks)
+        state.blocks = []
+        state.num_cached = 0
+        state.last_logits = None
+        self._blocks_back()
 
     def pin(self, blocks: Sequence[int]) -> None:
         """Keep blocks readable while their owner may be released (compose sources, exports)."""

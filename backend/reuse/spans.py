@@ -28,7 +28,8 @@ tenant's or run's prompts never shape another's answers.
 
 Only exact K/V are sources (an approximation is never copied into another context). Approximate
 states are remembered separately, for one use only: the same conversation's next turn resumes from
-its own approximate state (a common prefix) instead of re-prefilling its transcript.
+its own approximate state (a common prefix) instead of re-prefilling its transcript, also after its
+handle was released, for as long as the KV manager keeps the state (``KVManager.retain``).
 """
 
 from __future__ import annotations
@@ -201,10 +202,12 @@ class SpanIndex:
         while len(self._anchors) > self.capacity:
             self._anchors.popitem(last=False)
 
-    def release(self, state: KVState, cached_blocks: Sequence[int]) -> None:
+    def release(self, state: KVState, cached_blocks: Sequence[int], retained: bool = False) -> None:
         """``state``'s handle was released: its spans stay sources where the prefix cache holds its exact full
-        blocks (``cached_blocks``, leading, on the device), up to the last of them."""
-        self._approximate.pop(state.id, None)
+        blocks (``cached_blocks``, leading, on the device), up to the last of them. ``retained``: an approximate
+        state the KV manager keeps for its own next turn stays findable by :meth:`approximate_prefix`."""
+        if not retained:
+            self._approximate.pop(state.id, None)
         if self._live.pop(state.id, None) is None:
             return
         if state.id in self._keys:
@@ -261,12 +264,23 @@ class SpanIndex:
             p += 1
         return matches
 
-    def approximate_prefix(self, tokens: Sequence[int], partition: str) -> tuple[KVState | None, int]:
-        """The live approximate state of ``partition`` sharing the longest prefix with ``tokens``, and that length."""
+    def is_approximate(self, state: KVState) -> bool:
+        """Whether ``state`` is an approximate state this index remembers for its own next turn."""
+        entry = self._approximate.get(state.id)
+        return entry is not None and entry[0] is state
+
+    def forget_approximate(self, state_id: str) -> None:
+        self._approximate.pop(state_id, None)
+
+    def approximate_prefix(
+        self, tokens: Sequence[int], partition: str, retained: Callable[[KVState], bool] = lambda state: False,
+    ) -> tuple[KVState | None, int]:
+        """The approximate state of ``partition`` sharing the longest prefix with ``tokens``, and that length:
+        a live one, or a released one the KV manager still keeps (``retained``)."""
         best: KVState | None = None
         best_len = 0
         for state, state_partition in list(self._approximate.values()):
-            if state_partition != partition or self._live.get(state.id) is not state:
+            if state_partition != partition or (self._live.get(state.id) is not state and not retained(state)):
                 continue
             n = common_prefix_length(state.token_ids[: state.num_cached], tokens)
             if n > best_len:
