@@ -50,6 +50,7 @@ def engine_stats(
         blocks_shared=sum(1 for b in range(pool.num_blocks) if pool.refcount(b) - (b in cached) > 1),
         blocks_cached=len(cached),
         blocks_cache_only=sum(1 for b in cached if pool.refcount(b) == 1),
+        blocks_retained_only=kv.retained_only_blocks(),
         cache=_cache_stats(kv, ste),
         agents=requests.ttft.summary(),
     )

@@ -270,7 +270,8 @@ def load(url: str, clients: int, seconds: float, tokens: tuple[str | None, ...],
 
 
 def leaks(url: str, tokens: tuple[str | None, ...]) -> dict[str, int]:
-    """``release_all`` for every tenant; then the live handles and the blocks anything but the cache holds."""
+    """``release_all`` for every tenant; then the live handles and the blocks anything but the caches hold (the
+    prefix cache, and released approximate turns kept for their agent's next turn)."""
     import httpx
 
     released = 0
@@ -281,7 +282,8 @@ def leaks(url: str, tokens: tuple[str | None, ...]) -> dict[str, int]:
             released += int(http.post("/v1/kv/release_all").json()["released"])
             stats = http.get("/v1/kv/stats").json()
     return {"released": released, "leaked_handles": int(stats["handles_live"]),
-            "leaked_blocks": int(stats["blocks_used"]) - int(stats["blocks_cache_only"])}
+            "leaked_blocks": int(stats["blocks_used"]) - int(stats["blocks_cache_only"])
+            - int(stats.get("blocks_retained_only", 0))}
 
 
 def tier_write_errors(url: str, token: str) -> int | None:

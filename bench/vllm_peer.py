@@ -108,6 +108,19 @@ def vllm_checkpoint(src: Path, root: Path) -> Path:
     return dst
 
 
+def _group_cpu(group: int, children: bool) -> float:
+    """CPU seconds of the live processes of process group ``group`` (``children``: with what they reaped)."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == group:  # pgrp
+            ticks += sum(int(x) for x in fields[11:15 if children else 13])  # utime, stime (cutime, cstime)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _reaped_children_cpu() -> float:
     times = os.times()
     return times.children_user + times.children_system
@@ -261,7 +274,7 @@ class VllmPeer:
         group = proc.pid  # start_new_session: the server leads its own process group (its workers in it)
         # The group's CPU so far, and what of it reaches us as the reaped leader's: its workers, killed with the
         # group, may never be reaped through the leader, and would read as other load in the record.
-        used = self._group_cpu(children=True)
+        used = _group_cpu(group, children=True)
         reaped = _reaped_children_cpu()
         _signal_group(group, signal.SIGTERM)
         deadline = time.monotonic() + VLLM_STOP_S
@@ -274,21 +287,7 @@ class VllmPeer:
 
     def cpu_seconds(self) -> float:
         """CPU seconds (user + system) used so far by the server's live processes."""
-        return self._group_cpu(children=False)
-
-    def _group_cpu(self, children: bool) -> float:
-        """CPU seconds of the server's live processes (``children``: with what they reaped of theirs)."""
-        if self.proc is None:
-            return 0.0
-        ticks = 0
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[2]) == self.proc.pid:  # pgrp
-                ticks += sum(int(x) for x in fields[11:15 if children else 13])  # utime, stime (cutime, cstime)
-        return ticks / os.sysconf("SC_CLK_TCK")
+        return _group_cpu(self.proc.pid, children=False) if self.proc is not None else 0.0
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         response = self.http.post(path, json=body)

@@ -330,6 +330,9 @@ class Stats(BaseModel):
     blocks_shared: int = Field(description="Blocks referenced by more than one handle or request.")
     blocks_cached: int = Field(default=0, description="Blocks held by the prefix cache.")
     blocks_cache_only: int = Field(default=0, description="Cached blocks no handle uses (evictable).")
+    blocks_retained_only: int = Field(
+        default=0, description="Blocks only released approximate turns hold, kept for their agent's next turn "
+                               "(a cache: dropped first when a request needs blocks).")
     bytes_per_block: int
     pool_bytes_total: int
     pool_bytes_used: int

@@ -276,6 +276,13 @@ class KVManager:
         with self.lock:
             return sum(len(state.blocks) for state in self._retained.values())
 
+    def retained_only_blocks(self) -> int:
+        """Blocks nothing but retained states (and the prefix cache) references."""
+        with self.lock:
+            refs = Counter(b for state in self._retained.values() for b in state.blocks)
+            cached = self.cache.cached_blocks() if self.cache is not None else set()
+            return sum(1 for b, n in refs.items() if self.pool.refcount(b) == n + (b in cached))
+
     def _drop_retained(self, blocks: int) -> None:
         """Free at least ``blocks`` blocks by dropping retained states, the oldest first (lock held)."""
         before = self.pool.num_free
