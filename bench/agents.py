@@ -294,6 +294,7 @@ def _run_dtype(dtype: str, names: Sequence[str], repeats: int, tf_passes: int, m
             print(f"agents: vLLM {peer_info['version']} ready in {peer_info['startup_s']:.0f} s", flush=True)
             peer.warm_up(cached.tokenize(warmup_prompt(quick)), WARMUP_TOKENS)
             peer_info["same_prompt_ids_as_kvbaton"] = same_rendering(peer, cached, base)
+            peer_info["maps_at_once"] = True  # run_vllm sends a LangGraph map-reduce's map turns at once
             peer_info["server_cpu_s_during_kvbaton"] = 0.0
             peer_info["kvbaton_variants_s"] = 0.0
         client_of = {v: plain if v == "text" else cached for v in chosen}

@@ -119,6 +119,12 @@ def peer_notes(payload: dict[str, Any]) -> list[str]:
                                                             f"**different ids** ({same})"),
         f"vllm: cold start: {peer.get('cold_start')}",
     ]
+    fanned = [name for name, meta in (payload.get("workload_meta") or {}).items() if meta.get("via") == "langgraph"]
+    if fanned:
+        lines.append(f"vllm: {', '.join(fanned)}: the map turns are sent at once, as the LangGraph app's `Send` fan-out "
+                     "sends them to kvbaton, then the reducer" if peer.get("maps_at_once") else
+                     f"vllm: {', '.join(fanned)}: the map turns were sent one after another (kvbaton's LangGraph app "
+                     "sends them at once): this record's vLLM times for it are not comparable")
     if row is not None:
         v = row.get("vllm") or {}
         timing = "vllm: its seconds are the client's, HTTP on 127.0.0.1 included (kvbaton runs in-process)"

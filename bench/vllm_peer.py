@@ -20,6 +20,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,23 +365,40 @@ def vllm_turn_record(body: dict[str, Any], prompt_ids: Sequence[int], agent: str
 
 
 def run_vllm(peer: VllmPeer, client: Any, workloads: Sequence[Workload], max_tokens: int) -> dict[str, Any]:
-    """Every workload once on vLLM, each from a cold prefix cache; prompts are ``client.chat_tokens``."""
+    """Every workload once on vLLM, each from a cold prefix cache; prompts are ``client.chat_tokens``. A
+    map-reduce that kvbaton runs as a LangGraph app (``via == "langgraph"``) sends its map turns at once, as
+    LangGraph's ``Send`` fan-out does, so vLLM batches them as it would in that app."""
     out: dict[str, Any] = {"variant": "vllm", "workloads": {}}
     for wl in workloads:
         peer.cold()
-        turns: list[dict[str, Any]] = []
+        records: dict[int, dict[str, Any]] = {}
 
-        def fn(agent: str, messages: list[dict[str, str]], turns: list[dict[str, Any]] = turns) -> str:
+        def timed(ids: list[int]) -> tuple[dict[str, Any], float]:  # the only part that runs in threads
             start = time.perf_counter()
-            ids = client.chat_tokens(messages)
             body = peer.complete(ids, max_tokens)
-            seconds = time.perf_counter() - start
-            turns.append(vllm_turn_record(body, ids, agent, len(turns), seconds, client.tokenize))
-            return str(turns[-1]["text"])
+            return body, time.perf_counter() - start
+
+        def ask(index: int, messages: list[dict[str, str]], wl: Workload = wl,
+                records: dict[int, dict[str, Any]] = records) -> str:
+            ids = client.chat_tokens(messages)
+            body, seconds = timed(ids)
+            records[index] = vllm_turn_record(body, ids, wl.turns[index].agent, index, seconds, client.tokenize)
+            return str(records[index]["text"])
 
         start = time.perf_counter()
-        run_workload(wl, fn)
-        out["workloads"][wl.name] = {"seconds": time.perf_counter() - start, "turns": turns}
+        if wl.via == "langgraph":
+            maps = [i for i, t in enumerate(wl.turns) if t.part is not None]
+            prompts = [client.chat_tokens(wl.messages(i, ())) for i in maps]  # the tokenizer stays on this thread
+            with ThreadPoolExecutor(len(maps)) as pool:
+                answers = list(pool.map(timed, prompts))
+            for i, ids, (body, seconds) in zip(maps, prompts, answers, strict=True):
+                records[i] = vllm_turn_record(body, ids, wl.turns[i].agent, i, seconds, client.tokenize)
+            last = len(wl.turns) - 1
+            ask(last, wl.messages(last, [records[i]["text"] for i in range(last)]))
+        else:
+            run_workload(wl, lambda agent, messages, records=records: ask(len(records), messages))
+        seconds = time.perf_counter() - start
+        out["workloads"][wl.name] = {"seconds": seconds, "turns": [records[i] for i in sorted(records)]}
     out["seconds"] = sum(w["seconds"] for w in out["workloads"].values())
     return out
 

@@ -236,6 +236,11 @@ def test_vllm_peer_runs_workloads_over_http_and_never_outlives_stop(fake_vllm, t
         assert turns[1]["reused_exact"] > 0 and turns[1]["reused_approx"] == 0
         assert all(t["reused_exact"] + t["prefilled"] == t["prompt_tokens"] for t in turns)
         assert turns[0]["server_s"] == pytest.approx(0.006) and turns[0]["ttft_s"] == pytest.approx(0.002)
+        # A map-reduce kvbaton runs as a LangGraph Send fan-out: the map turns go to vLLM at once, then the reducer.
+        fan = workloads.build("mapreduce_langgraph", quick=True)
+        turns = vllm_peer.run_vllm(peer, StubClient(), [fan], max_tokens=3)["workloads"][fan.name]["turns"]
+        assert [t["index"] for t in turns] == list(range(len(fan.turns)))
+        assert [t["agent"] for t in turns] == [t.agent for t in fan.turns]
     finally:
         peer.stop()
     assert peer.proc is None and _group_gone(group)  # the server and its worker
