@@ -306,7 +306,7 @@ def test_an_agent_resumes_its_own_approximate_turn_after_releasing_it(doc):
 
 def test_a_retained_approximate_state_gives_its_blocks_to_a_request_that_needs_them(doc):
     """Retained approximate states are a cache, not a reservation: a request that needs the whole pool
-    gets it (they go before any live handle is spilled), and the dropped state is never resumed."""
+    gets it (they go first, before the prefix cache's exact blocks), and the dropped state is never resumed."""
     engine = Engine(kv_budget="40 blocks", audit_fraction=0)
     try:
         engine.release(engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader").handle)
@@ -322,6 +322,28 @@ def test_a_retained_approximate_state_gives_its_blocks_to_a_request_that_needs_t
         ]
         second = engine.generate(follow_up, sampling=GREEDY, agent="reviewer", reuse="rotate")
         assert second.timings.tokens_reused < first.handle.num_tokens - 4  # not resumed from freed blocks
+    finally:
+        engine.close()
+
+
+def test_retained_approximate_states_go_before_the_prefix_caches_exact_blocks(doc):
+    """A retained approximate state serves one possible next turn; the prefix cache's exact blocks serve every
+    agent: a reservation that needs what the retained states hold takes theirs and leaves the cache whole."""
+    engine = Engine(kv_budget="60 blocks", audit_fraction=0)
+    try:
+        reader = engine.generate(chat(READER, doc, "Summarize."), sampling=GREEDY, agent="reader")
+        engine.release(reader.handle)
+        first = engine.generate(chat(REVIEWER, doc, "Risk?"), sampling=GREEDY, agent="reviewer", reuse="rotate")
+        engine.release(first.handle)
+        prompt = engine.chat_tokens(chat(READER, doc, "Summarize."))
+        cached = engine.cached_prefix(prompt)
+        kept = engine.kv.retained_only_blocks()
+        assert kept > 0 and cached > len(prompt) // 2
+        # a block short of what is free plus what only the retained states hold (a prefill may reserve one ahead)
+        tokens = engine.tokenize(document(900, seed=98))[: (engine.pool.num_free + kept - 1) * engine.block_size - 1]
+        other = engine.materialize(tokens)
+        assert engine.kv.retained_blocks == 0 and engine.cached_prefix(prompt) == cached
+        engine.release(other)
     finally:
         engine.close()
 

@@ -9,8 +9,8 @@ live handles are spilled (:mod:`.spill`) before :class:`PoolExhausted` is raised
 Released approximate states are a cache too (:meth:`retain`): their K/V cannot enter the prefix cache, but
 the same agent's next turn resumes from them (``reuse="auto"``), so a workflow that releases each result at
 once (the README's pattern) keeps that resume. At most :data:`MAX_RETAINED` of them, the oldest first, and a
-reservation short of blocks drops them after the prefix cache's evictable blocks and before any live handle
-is spilled: they never make a request fail.
+reservation short of blocks drops them before it evicts the prefix cache (exact, and shared by every agent;
+a retained state serves one possible next turn): they never push exact K/V out or make a request fail.
 
 Invariants:
 
@@ -202,12 +202,10 @@ class KVManager:
             cow = write_at % bs != 0 and write_at < num_tokens and self.pool.refcount(state.blocks[write_at // bs]) > 1
             missing = max(0, self._blocks_for(num_tokens) - len(state.blocks))
             needed = missing + int(cow)
+            if needed > self.pool.num_free and self._retained:  # kept for one possible use: they go first
+                self._drop_retained(needed - self.pool.num_free)
             if needed > self.pool.num_free and self.cache is not None:
                 self.cache.evict(needed - self.pool.num_free)
-            if needed > self.pool.num_free and self._retained:
-                self._drop_retained(needed - self.pool.num_free)
-                if needed > self.pool.num_free and self.cache is not None:  # blocks they shared with the cache
-                    self.cache.evict(needed - self.pool.num_free)
             if needed > self.pool.num_free:  # the last resort: idle live handles
                 self.spiller.free(needed - self.pool.num_free, self._pinned, exclude=state)
             if needed > self.pool.num_free:
