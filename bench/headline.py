@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvbaton.backend.reuse.place import MAX_CONTEXT_GAP
 from kvbaton.backend.reuse.spans import MIN_SPAN
 from kvbaton.bench.common import NOT_MEASURED
 from kvbaton.bench.spread import cell
@@ -301,11 +302,23 @@ def _agents_reasons(rec: Record) -> list[str]:
             cold = [t["index"] for t in turns[1:] if t["reused_exact"] == 0]
             cold_exact = sum(t["ttft_s"] for t in turns if t["index"] in cold)
             cold_auto = sum(t["ttft_s"] for t in auto_turns if t["index"] in cold)
-            line = (f"why (auto vs exact, {name} {dtype}, first repeat): exact spent {decode:.1f} of {total:.1f} s "
-                    f"decoding (after each turn's first token; every variant decodes the same number of tokens) and "
-                    f"{first:.1f} s on the first turn's cold prompt, which no other agent's cache can shorten: even "
-                    f"with every later prompt free, auto could be at most {_x(total / (decode + first))} faster "
-                    f"than exact. The later turns' prompts (time to first token, summed) took {later_exact:.1f} s "
+            meta = (rec.get("workload_meta") or {}).get(name) or {}
+            maps = int(meta.get("parts") or 0)  # a map-reduce: each map turn reads a part no agent read before
+            if meta.get("via") == "langgraph":
+                bound = (f"why (auto vs exact, {name} {dtype}, first repeat): its {maps} map turns run at once (a "
+                         "LangGraph Send fan-out), so their times overlap and bound nothing; each map turn reads a "
+                         "part of the document no agent read before, and the reducer's parts sit far from where "
+                         f"they were read (more than {MAX_CONTEXT_GAP} tokens), so auto prefills them")
+            else:
+                fixed = first + sum(t["ttft_s"] for t in turns[1:maps])
+                unreusable = (f"{first:.1f} s on the first turn's cold prompt, which no other agent's cache can shorten"
+                              if maps <= 1 else
+                              f"{fixed:.1f} s on its {maps} map turns' prompts, each a part no agent read before")
+                bound = (f"why (auto vs exact, {name} {dtype}, first repeat): exact spent {decode:.1f} of {total:.1f} s "
+                         f"decoding (after each turn's first token; every variant decodes the same number of tokens) "
+                         f"and {unreusable}: even with every other prompt free, auto could be at most "
+                         f"{_x(total / (decode + fixed))} faster than exact")
+            line = (f"{bound}. The later turns' prompts (time to first token, summed) took {later_exact:.1f} s "
                     f"in exact and {later_auto:.1f} s in auto; of them, the {len(cold)} turns exact found nothing "
                     f"cached for took {cold_exact:.1f} s in exact and {cold_auto:.1f} s in auto")
             if rotate is not None:
@@ -316,10 +329,16 @@ def _agents_reasons(rec: Record) -> list[str]:
             share, _ = _reuse_share(_downstream(auto, name))
             if share >= AGENTS_REUSE:
                 continue
-            line = (f"why (downstream reuse, {name} {dtype}): auto recomputes the most-deviating tokens of every "
-                    "re-aligned segment, and a whole segment when the answer looks unsure; those tokens count "
-                    f"as prefilled, as do spans shorter than {MIN_SPAN} tokens (the span index's minimum: a "
-                    "short answer quoted by the next agent)")
+            if ((rec.get("workload_meta") or {}).get(name) or {}).get("parts"):
+                line = (f"why (downstream reuse, {name} {dtype}): the map turns each read a part of the document no "
+                        "agent read before, and the reducer's parts were read behind a persona only, far from where "
+                        f"they sit in its prompt (more than {MAX_CONTEXT_GAP} tokens): re-aligned, they changed the "
+                        "reducer's first token, so auto prefills them (docs/segments.md)")
+            else:
+                line = (f"why (downstream reuse, {name} {dtype}): auto recomputes the most-deviating tokens of every "
+                        "re-aligned segment, and a whole segment when the answer looks unsure; those tokens count "
+                        f"as prefilled, as do spans shorter than {MIN_SPAN} tokens (the span index's minimum: a "
+                        "short answer quoted by the next agent)")
             if rotate is not None and "run_detail" in rotate:
                 rshare, _ = _reuse_share(_downstream(rotate, name))
                 line += f". Rotate, which recomputes none, reused {_pct(rshare)} in the same run"
