@@ -350,10 +350,13 @@ def _agents(rec: Record) -> tuple[str, list[Target]]:
     by = {(r["dtype"], r["variant"]): r for r in rec["rows"]}
     parts = []
     auto32, vllm, exact32 = by.get(("float32", "auto")), by.get(("float32", "vllm")), by.get(("float32", "exact"))
-    if auto32 is not None and vllm is not None and "debate_s" in auto32 and "debate_s" in vllm:
-        lead = f"debate fp32: auto {_x(vllm['debate_s'] / auto32['debate_s'])} faster than vLLM-CPU prefix caching"
-        if exact32 is not None:
-            lead += f", {_x(exact32['debate_s'] / auto32['debate_s'])} faster than exact"
+    shown = [n for n in rec.get("workloads") or [] if auto32 is not None and vllm is not None
+             and f"{n}_s" in auto32 and f"{n}_s" in vllm]
+    if auto32 is not None and vllm is not None and shown:
+        lead = "fp32, auto: " + "; ".join(
+            f"{n} {_x(vllm[f'{n}_s'] / auto32[f'{n}_s'])} faster than vLLM-CPU prefix caching"
+            + (f", {_x(exact32[f'{n}_s'] / auto32[f'{n}_s'])} than exact" if exact32 is not None else "")
+            for n in shown)
         tf = auto32.get("teacher_forced")
         lead += (f"; {_pct(tf['first_token'])} teacher-forced first-token agreement over {tf['turns']} turns"
                  if tf and tf.get("turns") else "; no teacher-forced pass")
