@@ -346,7 +346,7 @@ def agents_record(vllm_debate_s: float | None = 30.0, tf_turns: int = 63, first_
 def test_agents_targets_and_headline_lead_with_the_vllm_comparison():
     rec = agents_record()
     text = headline(rec)
-    assert text.startswith("debate fp32: auto 2.50x faster than vLLM-CPU prefix caching, 2.00x faster than exact; "
+    assert text.startswith("fp32, auto: debate 2.50x faster than vLLM-CPU prefix caching, 2.00x than exact; "
                            "97% teacher-forced first-token agreement over 63 turns")
     found = {t.text: t for t in targets(rec)}
     vs_vllm = found["debate float32: auto >= 1.8x faster than vLLM-CPU with prefix caching"]
