@@ -1,5 +1,6 @@
-"""Server defaults and the bind policy, importable without torch (the CLI parses arguments and
-refuses a bad bind before the engine is loaded)."""
+"""Server constants the SDK shares (the bind address, the token variables, the log format) and the
+bind policy, importable without torch (the CLI refuses a bad bind before the engine is loaded). The
+server's limits are declared once, in ``kvbaton.backend.server.args.ServerArgs``."""
 
 from __future__ import annotations
 
@@ -10,31 +11,7 @@ from .errors import InvalidRequest
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8470
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-# max_tokens of a request that gives none, on every route (native and OpenAI): one value, set by
-# --default-max-tokens. (SDK clients always send their own, SamplingParams' default.)
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_STATS_INTERVAL_S = 10.0  # how often the server logs its throughput line (0: never)
-DEFAULT_MAX_N = 8
-DEFAULT_MAX_AGENTS = 1024
-DEFAULT_THREADS = 64
-DEFAULT_MAX_HANDLES_PER_TENANT = 4096  # live handles of one tenant (0: no limit)
-# Tokens of one tenant's live handles, forks counted in full (0: no limit). Each live handle keeps its
-# token ids on the host, a list of 8-byte references per handle (forks share K/V blocks, not that
-# list), so this bounds one tenant's token lists at about 8 bytes x 8Mi tokens = 64 MiB of host memory.
-DEFAULT_MAX_HANDLE_TOKENS_PER_TENANT = 8 * 1024 * 1024
-# Open streams (generation streams and event streams), of the whole server and of one tenant (0: no limit).
-DEFAULT_MAX_STREAMS = 256
-DEFAULT_MAX_STREAMS_PER_TENANT = 32
-# Agents one tenant may register (POST /v1/kv/agents); beyond, its least recently registered one is dropped.
-# The engine keeps each one's fixed prompt on the host: about 36 bytes a token, up to the model's context.
-DEFAULT_MAX_REGISTERED_AGENTS = 64
-# Tokens POST /v1/kv/fidelity may generate to compare: it holds both sides' full logits of each on the
-# host (about 0.5 GiB at 512 tokens with the default model), so longer checks are refused.
-DEFAULT_MAX_FIDELITY_TOKENS = 256
 ADMIN_TOKEN_ENV = "KVBATON_ADMIN_TOKEN"
-# How long a client may stall a connection (request headers, a pause in its body, an unread answer).
-DEFAULT_CLIENT_TIMEOUT_S = 30.0
 # A cluster worker that answers no heartbeat for this long is hung: stopped, its requests fail over.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 HOST_BYTES_PER_HANDLE_TOKEN = 8  # a list slot: a reference to the (shared) token int

@@ -24,7 +24,8 @@ same 404 as for an unknown id); each tenant is held to quotas of live handles an
 ``quota_exceeded``), and idle handles may expire (``handle_ttl``). ``/health`` is 503 while the engine
 cannot serve (every worker down), and so are the requests that fail meanwhile.
 
-Modules, one concept each: ``app`` (create_app, serve), ``state`` (what the endpoints share),
+Modules, one concept each: ``args`` (``ServerArgs``: every option, the CLI generated from it), ``app``
+(create_app, serve), ``state`` (what the endpoints share),
 ``tenancy`` (tenants, handle owners, agent slots), ``errors`` (the error schema and handlers),
 ``middleware`` (metrics, auth, body limit, last-resort errors), ``accesslog`` (access and throughput
 lines), ``metrics`` (Prometheus), ``sse`` (the one streaming driver), ``native`` (``/v1/kv`` routes
@@ -35,24 +36,21 @@ honoured; OpenAI messages translated for the chat template; tool calls streamed 
 
 from __future__ import annotations
 
-from .app import DEFAULT_MAX_TOKENS, create_app, engine_of, serve
-from .errors import error_response
-from .metrics import Metrics
-from .sse import EventStreamResponse
-from .state import ServerState
-from .tenancy import SINGLE_TENANT, AgentSlots, Owners, tenant_id
+import importlib
+from typing import Any
 
-__all__ = [
-    "DEFAULT_MAX_TOKENS",
-    "SINGLE_TENANT",
-    "AgentSlots",
-    "EventStreamResponse",
-    "Metrics",
-    "Owners",
-    "ServerState",
-    "create_app",
-    "engine_of",
-    "error_response",
-    "serve",
-    "tenant_id",
-]
+# Lazy, as kvbaton.backend is: the command line imports ``.args`` (ServerArgs) to build its parser,
+# which must load neither torch nor the engine.
+_EXPORTS = {
+    "DEFAULT_MAX_TOKENS": ".args", "ServerArgs": ".args", "create_app": ".app", "engine_of": ".app", "serve": ".app",
+    "error_response": ".errors", "Metrics": ".metrics", "EventStreamResponse": ".sse", "ServerState": ".state",
+    "SINGLE_TENANT": ".tenancy", "AgentSlots": ".tenancy", "Owners": ".tenancy", "tenant_id": ".tenancy",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

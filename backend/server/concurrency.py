@@ -10,10 +10,12 @@ not the other tenants'. A request waits at most ``wait_s`` seconds (then 503 ``s
 with ``Retry-After``), and a tenant's queue holds at most ``max_queued`` requests (429
 ``quota_exceeded`` beyond, at once).
 
-Streams (generation streams and event streams) are counted apart, because they may last: at most
-``max_streams`` open at once, ``max_streams_per_tenant`` of one tenant; one more is refused at
-once (429 ``quota_exceeded``). An event stream holds no slot: it waits on the event loop, not in a
-worker thread.
+Streams are counted apart, because they may last, and generation streams apart from event
+streams (``/v1/kv/events/stream``), so that idle event streams can never keep another tenant's
+generations out: at most ``max_streams`` generation streams open at once, ``max_streams_per_tenant``
+of one tenant, and ``max_event_streams`` / ``max_event_streams_per_tenant`` event streams; one more
+is refused at once (429 ``quota_exceeded``). An event stream holds no slot: it waits on the event
+loop, not in a worker thread (and ends once idle for the server's ``event_stream_idle_timeout``).
 
 Invariants: everything here runs on the event loop (no locks); a slot or stream is given back
 exactly once, on every exit path (``async with``); a slot freed while requests wait is handed to
@@ -27,6 +29,7 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 from kvbaton.errors import KvbatonError, QuotaExceeded, ServerUnavailable
@@ -34,14 +37,20 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import exception_response
 
+if TYPE_CHECKING:
+    from .args import ServerArgs
+
 DEFAULT_WAIT_S = 30.0
+
+
+GENERATION, EVENTS = "generation", "events"  # the two kinds of streams, each with its own caps
 
 
 @dataclass
 class _Tenant:
     running: int = 0  # slots held
     waiting: deque[anyio.Event] = field(default_factory=deque)  # FIFO; an event is set when handed a slot
-    streams: int = 0
+    streams: dict[str, int] = field(default_factory=lambda: {GENERATION: 0, EVENTS: 0})
 
 
 class Concurrency:
@@ -49,27 +58,33 @@ class Concurrency:
 
     def __init__(self, max_requests: int | None, per_tenant: int | None, max_streams: int | None,
                  max_streams_per_tenant: int | None, wait_s: float = DEFAULT_WAIT_S,
-                 max_queued: int | None = None) -> None:
+                 max_queued: int | None = None, max_event_streams: int | None = None,
+                 max_event_streams_per_tenant: int | None = None) -> None:
         self.max_requests = max_requests or math.inf
         self.per_tenant = min(per_tenant or math.inf, self.max_requests)
-        self.max_streams = max_streams or math.inf
-        self.max_streams_per_tenant = max_streams_per_tenant or math.inf
+        # Per kind of stream: (all of them, one tenant's).
+        self.stream_caps: dict[str, tuple[float, float]] = {
+            GENERATION: (max_streams or math.inf, max_streams_per_tenant or math.inf),
+            EVENTS: (max_event_streams or math.inf, max_event_streams_per_tenant or math.inf),
+        }
         self.wait_s = wait_s
         # Queued requests beyond this are refused at once: a client cannot park unbounded work here.
         self.max_queued = max_queued or (4 * int(self.per_tenant) if self.per_tenant != math.inf else math.inf)
         self._tenants: dict[str, _Tenant] = {}
         self._order: deque[str] = deque()  # tenants with requests waiting, in turn
         self._running = 0
-        self._streams = 0
+        self._streams = {GENERATION: 0, EVENTS: 0}
         self._exclusive: dict[str, anyio.Lock] = {}
 
     @classmethod
-    def of_server(cls, *, threads: int, tenants: int, max_requests: int | None, per_tenant: int | None,
-                  max_streams: int | None, max_streams_per_tenant: int | None) -> Concurrency:
-        """A server's: ``max_requests`` slots (default: its ``threads``), and by default a tenant of
-        several (``tenants`` > 1) may hold half the threads."""
-        per_tenant = per_tenant or (max(1, threads // 2) if tenants > 1 else None)
-        return cls(max_requests or threads, per_tenant, max_streams, max_streams_per_tenant)
+    def of_server(cls, args: ServerArgs, *, tenants: int) -> Concurrency:
+        """A server's (its ``ServerArgs``): ``max_requests`` slots (default: its ``threads``), and by
+        default a tenant of several (``tenants`` > 1) may hold half the threads."""
+        threads = args.threads
+        per_tenant = args.max_requests_per_tenant or (max(1, threads // 2) if tenants > 1 else None)
+        return cls(args.max_requests or threads, per_tenant, args.max_streams, args.max_streams_per_tenant,
+                   max_event_streams=args.max_event_streams,
+                   max_event_streams_per_tenant=args.max_event_streams_per_tenant)
 
     def _tenant(self, name: str) -> _Tenant:
         tenant = self._tenants.get(name)
@@ -164,32 +179,35 @@ class Concurrency:
             lock.release()
 
     # -- streams --------------------------------------------------------------------------------
-    def open_stream(self, tenant: str) -> Callable[[], None]:
-        """Count an open stream of the tenant, ``QuotaExceeded`` at once beyond the tenant's or the
-        server's limit; returns the stream's ``close`` (idempotent), which stops counting it."""
+    def open_stream(self, tenant: str, kind: str = GENERATION) -> Callable[[], None]:
+        """Count an open stream of the tenant (``kind``: a generation or an event stream, each with its
+        own caps), ``QuotaExceeded`` at once beyond the tenant's or the server's limit; returns the
+        stream's ``close`` (idempotent), which stops counting it."""
         held = self._tenant(tenant)
-        if held.streams >= self.max_streams_per_tenant:
-            raise QuotaExceeded(f"the tenant has {held.streams} open streams, its limit: close one first")
-        if self._streams >= self.max_streams:
-            raise QuotaExceeded(f"the server has {self._streams} open streams, its limit: retry later")
-        held.streams += 1
-        self._streams += 1
+        cap, per_tenant = self.stream_caps[kind]
+        what = "generation streams" if kind == GENERATION else "event streams"
+        if held.streams[kind] >= per_tenant:
+            raise QuotaExceeded(f"the tenant has {held.streams[kind]} open {what}, its limit: close one first")
+        if self._streams[kind] >= cap:
+            raise QuotaExceeded(f"the server has {self._streams[kind]} open {what}, its limit: retry later")
+        held.streams[kind] += 1
+        self._streams[kind] += 1
         closed = False
 
         def close() -> None:
             nonlocal closed
             if not closed:
                 closed = True
-                held.streams -= 1
-                self._streams -= 1
+                held.streams[kind] -= 1
+                self._streams[kind] -= 1
 
         return close
 
     # -- what the metrics show ----------------------------------------------------------------------
     def usage(self, tenant: str) -> tuple[int, int, int]:
-        """The tenant's requests running, requests waiting, and open streams."""
+        """The tenant's requests running, requests waiting, and open streams (of both kinds)."""
         held = self._tenants.get(tenant) or _Tenant()
-        return held.running, len(held.waiting), held.streams
+        return held.running, len(held.waiting), sum(held.streams.values())
 
     def tenants(self) -> list[str]:
         return list(self._tenants)

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import h11
 from kvbaton.errors import InvalidRequest
-from kvbaton.serverconf import DEFAULT_CLIENT_TIMEOUT_S
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .args import DEFAULTS
 
 if TYPE_CHECKING:
     import uvicorn
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_CLIENT_TIMEOUT_S", "GuardedH11Protocol", "bind", "bound_port", "check_client_timeout",
            "http_server"]
+DEFAULT_CLIENT_TIMEOUT_S = DEFAULTS.client_timeout
 MAX_HEADER_BYTES = 64 * 1024  # h11's buffer for an incomplete request head (its default is 16 KiB)
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long (uvicorn's default)
 

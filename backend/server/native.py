@@ -36,6 +36,7 @@ from pydantic import BaseModel
 
 from ..tenants import AgentRef
 from .accesslog import note_result
+from .concurrency import EVENTS
 from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
 from .eventviews import PUMP_INTERVAL_S
 from .sse import EventStreamResponse, StreamEvents, open_primed, run_whole, sse, stream_response
@@ -392,23 +393,31 @@ def _add_tenant_routes(app: FastAPI, state: ServerState) -> None:
     ) -> EventStreamResponse:
         """The same events as server-sent events, live: ``event: event`` with one ``Event`` each (its
         ``id`` is the sequence number); a comment line every poll keeps idle connections open. A
-        reconnecting ``EventSource`` (``Last-Event-ID``) gets no event twice."""
+        reconnecting ``EventSource`` (``Last-Event-ID``) gets no event twice. Event streams have caps
+        of their own (``max_event_streams``, apart from generations'), and one that carried no event
+        for ``event_stream_idle_timeout`` seconds ends (a browser reconnects, missing nothing)."""
         tenant = request_tenant(request)
         if since is None:
             since = _last_event_id(last_event_id)
         first = await state.run(state.events, tenant, since)  # a bad request fails before the stream starts
-        closed = state.concurrency.open_stream(tenant)  # 429 beyond the open streams' limits
+        closed = state.concurrency.open_stream(tenant, EVENTS)  # 429 beyond the event streams' limits
+        idle_s = state.args.event_stream_idle_timeout
 
         async def lines() -> AsyncIterator[str]:
-            page = first
+            page, last_event = first, anyio.current_time()
             while True:
                 for event in page.events:
                     yield f"id: {event.seq}\n" + sse(event.model_dump_json(), "event")
                 if page.dropped:
                     yield sse(json.dumps({"dropped": page.dropped}), "dropped")
-                if not page.events:
+                if page.events or page.dropped:
+                    last_event = anyio.current_time()
+                else:
                     yield ": idle\n\n"
                 if state.draining or await request.is_disconnected():  # a server shutting down ends it
+                    return
+                if anyio.current_time() - last_event >= idle_s:
+                    yield ": idle timeout\n\n"
                     return
                 await anyio.sleep(PUMP_INTERVAL_S)
                 page = state.views.page(tenant, page.next)  # in memory: the app's pump reads the engine

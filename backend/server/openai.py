@@ -54,7 +54,7 @@ from .errors import ERROR_RESPONSES, stream_responses, template_errors
 from .openai_fields import COMPLETION_FIELDS, RESPONSES_FIELDS, FieldTable, check_fields
 from .openai_messages import openai_messages, responses_messages
 from .openai_plan import Plan, tool_plan
-from .openai_tools import ToolCallStream
+from .openai_tools import RequiredCallStream, ToolCallStream, required_call
 from .sse import StreamEvents, Streams, close_all, open_primed, prime_all, run_whole, sse, stream_response
 from .state import ServerState
 from .tenancy import request_agent, request_reuse, request_session, request_tenant
@@ -255,8 +255,8 @@ class _OpenAIEvents(StreamEvents):
     def __init__(self, serving: OpenAIServing, plan: Plan) -> None:
         self.serving, self.plan = serving, plan
         self.offsets: dict[int, int] = {}  # per choice: characters streamed so far (legacy logprobs' text_offset)
-        self.tools = ([ToolCallStream(plan.tool_names, plan.forced) for _ in plan.params]
-                      if plan.parses_tools else [])
+        parser = RequiredCallStream if plan.required else ToolCallStream
+        self.tools = [parser(plan.tool_names, plan.forced) for _ in plan.params] if plan.parses_tools else []
         self.pending: dict[int, list[TokenLogprob]] = {}  # per choice: log probabilities not sent yet (tools)
         self.last: dict[str, Any] = {}  # the closing choice of the last choice to end: sent with the kvbaton field
 
@@ -296,7 +296,7 @@ class _OpenAIEvents(StreamEvents):
             return [self.serving.choice(index, self.serving.delta(None), result.finish_reason)]
         parser = self.tools[index]
         deltas = [*parser.finish(), {}]
-        return self._deltas(index, deltas, "tool_calls" if parser.called else result.finish_reason)
+        return self._deltas(index, deltas, parser.finish_reason(result.finish_reason))
 
     def closing(self, index: int, result: Result, last: bool) -> list[str]:
         self.serving.observe(result, self.plan)
@@ -347,6 +347,11 @@ class ChatServing(OpenAIServing):
     def output(self, plan: Plan, result: Result) -> tuple[dict[str, Any], str]:
         if not plan.parses_tools:
             return self.message(result.text), result.finish_reason
+        if plan.required:  # one call, constrained: whole, or cut short by max_tokens (finish_reason "length")
+            call, complete = required_call(result.text, plan.tool_names, plan.forced)
+            if call is not None:
+                return ({"message": {"role": "assistant", "content": None, "tool_calls": [call]}},
+                        "tool_calls" if complete else result.finish_reason)
         text, calls = parse_tool_calls(result.text, plan.tool_names, plan.forced)
         if not calls:
             return self.message(result.text), result.finish_reason

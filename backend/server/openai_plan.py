@@ -40,6 +40,7 @@ class Plan:
     scope: dict[str, Any] | None = None  # the request's ASGI scope: its access line counts the tokens
     tool_names: list[str] = field(default_factory=list)  # the tools an answer may call (chat)
     forced: str | None = None  # the one tool the answer must call, when tool_choice names it
+    required: bool = False  # tool_choice requires a call: every choice is constrained to exactly one
 
     @property
     def parses_tools(self) -> bool:
@@ -67,4 +68,5 @@ def tool_plan(plan: Plan, tool_choice: Any) -> Plan:
     fmt = tool_call_format(required)
     plan.params = [params.model_copy(update={"response_format": fmt}) for params in plan.params]
     plan.forced = tool_names(required)[0] if len(required) == 1 else None
+    plan.required = True
     return plan

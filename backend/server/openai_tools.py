@@ -22,6 +22,7 @@ of the whole answer.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +101,10 @@ class ToolCallStream:
     def called(self) -> bool:
         """Whether the choice has called a tool so far."""
         return bool(self._calls)
+
+    def finish_reason(self, engine_reason: str) -> str:
+        """``tool_calls`` once the choice called a tool, else the engine's."""
+        return "tool_calls" if self.called else engine_reason
 
     def feed(self, piece: str) -> list[Delta]:
         """The deltas that ``piece``, the choice's next text, makes sendable: ``{"content": ...}`` or
@@ -253,3 +258,108 @@ class ToolCallStream:
         if final is None or not final.startswith(call.sent):
             final = (call.sent or "{") + "}" * ((call.sent or "{").count("{") - call.sent.count("}"))
         return self._args(call, final)
+
+
+# -- a required call (constrained decoding) ----------------------------------------------------------------
+
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)')
+_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*')
+
+
+class RequiredCallStream:
+    """The deltas of a choice whose output is constrained to one call (``tool_choice`` required or
+    named: :func:`kvbaton.tools.tool_call_format`, the JSON ``{"name": ..., "arguments": {...}}``).
+
+    The call opens once its name is written; its ``arguments`` are the text the model writes for
+    them, streamed as it comes (the closing brace of the whole object held back until the next
+    piece shows it was the arguments' own). A choice cut by ``max_tokens`` keeps its partial call
+    — as OpenAI and vLLM answer: the call in ``tool_calls`` with the arguments as far as they were
+    written (not valid JSON), no content, and ``finish_reason: "length"``. The whole answer is this
+    stream's deltas added up (:func:`required_call`), so streamed and whole answers agree."""
+
+    def __init__(self, names: list[str], forced: str | None = None) -> None:
+        self.names, self.forced = list(names), forced
+        self.text = ""
+        self._name_end = 0
+        self._call: _Call | None = None
+        self._args_at: int | None = None  # where the arguments' text starts
+        self.complete = False
+
+    @property
+    def called(self) -> bool:
+        return self._call is not None
+
+    def finish_reason(self, engine_reason: str) -> str:
+        """``tool_calls`` for a whole call; the engine's (``length``) for one cut short."""
+        return "tool_calls" if self.complete else engine_reason
+
+    def feed(self, piece: str) -> list[Delta]:
+        self.text += piece
+        out = self._open(ended=False)
+        if self._args_at is None and self._call is not None:
+            m = _ARGUMENTS.match(self.text, self._name_end)
+            if m is not None:
+                self._args_at = m.end()
+        if self._args_at is not None:
+            body = self.text[self._args_at:].rstrip()
+            out += self._send(body[:-1] if body.endswith("}") else body)  # the whole object's closer, maybe
+        return out
+
+    def finish(self) -> list[Delta]:
+        out = self._open(ended=True)
+        if self._call is None:
+            return out
+        try:
+            whole = json.loads(self.text)
+        except ValueError:
+            whole = None
+        self.complete = isinstance(whole, dict) and whole.get("name") == self._call.name and "arguments" in whole
+        if self._args_at is None:
+            return out
+        body = self.text[self._args_at:].rstrip()
+        if self.complete:  # the arguments end where the whole object's closing brace starts
+            body = body[:-1].rstrip()
+        return out + self._send(body)
+
+    def _open(self, ended: bool) -> list[Delta]:
+        if self._call is not None:
+            return []
+        m = _NAME.match(self.text)
+        if m is None:
+            if not ended or not self.forced:
+                return []
+            name, self._name_end = self.forced, len(self.text)  # cut before its name: the one tool it must call
+        elif m.group(2):  # the name's closing quote: the name is whole
+            name, self._name_end = m.group(1), m.end()
+        elif ended:  # cut inside the name: the tool it was naming, when only one fits
+            fits = [n for n in self.names if n.startswith(m.group(1))]
+            name, self._name_end = (fits[0] if len(fits) == 1 else m.group(1)), m.end()
+        else:
+            return []
+        self._call = _Call(name)
+        return [{"tool_calls": [{"index": 0, "id": self._call.id, "type": "function",
+                                 "function": {"name": name, "arguments": ""}}]}]
+
+    def _send(self, text: str) -> list[Delta]:
+        call = self._call
+        assert call is not None
+        if len(text) <= len(call.sent) or not text.startswith(call.sent):
+            return []
+        piece, call.sent = text[len(call.sent):], text
+        return [{"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}]
+
+
+def required_call(text: str, names: list[str], forced: str | None = None) -> tuple[dict[str, Any] | None, bool]:
+    """The one call of a constrained choice's whole ``text`` (:class:`RequiredCallStream`'s deltas
+    added up): ``(call, complete)``; None when the text names no call at all."""
+    stream = RequiredCallStream(names, forced)
+    deltas = [*stream.feed(text), *stream.finish()]
+    call: dict[str, Any] | None = None
+    for delta in deltas:
+        for item in delta.get("tool_calls", ()):
+            if "id" in item:
+                call = {"id": item["id"], "type": "function",
+                        "function": {"name": item["function"]["name"], "arguments": ""}}
+            elif call is not None:
+                call["function"]["arguments"] += item["function"]["arguments"]
+    return call, stream.complete

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,7 +33,6 @@ from typing import Any, NoReturn, TypeVar
 
 import anyio
 import anyio.to_thread
-from kvbaton import serverconf as conf
 from kvbaton.client import sampling_params
 from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest, ServerUnavailable
 from kvbaton.handle import Handle
@@ -46,6 +44,7 @@ from ..cache.persist import COMMIT_TIMEOUT_S
 from ..hosting import HostedEngine
 from ..tenants import AgentRef, TenantPartition
 from . import protocol as p
+from .args import FALLBACK_MAX_TOKENS, ServerArgs
 from .concurrency import Concurrency
 from .eventviews import EventViews
 from .metrics import Metrics
@@ -55,41 +54,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-def check_limits(
-    *, max_tokens: int | None = None, default_max_tokens: int = 1, max_n: int = 1, max_agents: int = 1,
-    threads: int = 1, max_handles_per_tenant: int | None = None, max_kv_bytes_per_tenant: int | str | None = None,
-    max_handle_tokens_per_tenant: int | None = None, handle_ttl: float | None = None, reuse: Reuse | None = None,
-    served_model_names: Sequence[str] | None = None, max_requests: int | None = None,
-    max_requests_per_tenant: int | None = None, max_streams: int | None = None,
-    max_streams_per_tenant: int | None = None, max_registered_agents: int | None = None,
-    max_fidelity_tokens: int | None = None,
-) -> None:
-    """``InvalidRequest`` naming the first of the server's limits that is out of range; needs no
-    engine (``kvbaton serve`` checks them before loading the model). ``None`` or 0 is "no limit"
-    where a limit may be off."""
-    for name, value, least in (("default_max_tokens", default_max_tokens, 1), ("max_n", max_n, 1),
-                               ("max_agents", max_agents, 0), ("threads", threads, 1)):  # 0 agents: retain none
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise InvalidRequest(f"{name} must be an integer >= {least}, got {value!r}", param=name)
-    for name, value in (("max_tokens", max_tokens), ("max_handles_per_tenant", max_handles_per_tenant),
-                        ("max_handle_tokens_per_tenant", max_handle_tokens_per_tenant), ("max_requests", max_requests),
-                        ("max_requests_per_tenant", max_requests_per_tenant), ("max_streams", max_streams),
-                        ("max_streams_per_tenant", max_streams_per_tenant),
-                        ("max_registered_agents", max_registered_agents), ("max_fidelity_tokens", max_fidelity_tokens)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise InvalidRequest(f"{name} must be an integer >= 0 (0: no limit), got {value!r}", param=name)
-    if max_kv_bytes_per_tenant:
-        blocks_for_budget(max_kv_bytes_per_tenant, 1)  # the format; its blocks need the engine's block size
-    if handle_ttl is not None and not handle_ttl > 0:
-        raise InvalidRequest(f"the handle TTL must be > 0 seconds, got {handle_ttl}", param="handle_ttl")
-    check_reuse(reuse)
-    if served_model_names is not None and (not served_model_names or not all(served_model_names)):
-        raise InvalidRequest("served model names must be non-empty")
-
-
-LIMITS = frozenset(inspect.signature(check_limits).parameters)
-
-
 def ref_id(ref: p.HandleRef) -> str:
     return ref.id if isinstance(ref, Handle) else ref
 
@@ -97,62 +61,40 @@ def ref_id(ref: p.HandleRef) -> str:
 class ServerState:
     """Everything the endpoints share: the engine, tenancy, limits, metrics."""
 
-    def __init__(
-        self,
-        engine: HostedEngine,
-        *,
-        tenants: Mapping[str, str],
-        max_tokens: int | None,
-        default_max_tokens: int,
-        max_n: int,
-        max_agents: int,
-        threads: int,
-        fallback_max_tokens: int,
-        max_handles_per_tenant: int | None = None,
-        max_kv_bytes_per_tenant: int | str | None = None,
-        max_handle_tokens_per_tenant: int | None = None,
-        handle_ttl: float | None = None,
-        reuse: Reuse | None = None,
-        shared_spans: bool = False,
-        shared_prefix_cache: bool = False,
-        served_model_names: Sequence[str] | None = None,
-        concurrency: Concurrency | None = None,
-        max_registered_agents: int | None = conf.DEFAULT_MAX_REGISTERED_AGENTS,
-        max_fidelity_tokens: int | None = conf.DEFAULT_MAX_FIDELITY_TOKENS,
-    ) -> None:
-        check_limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n, max_agents=max_agents,
-                     threads=threads, max_handles_per_tenant=max_handles_per_tenant,
-                     max_kv_bytes_per_tenant=max_kv_bytes_per_tenant,
-                     max_handle_tokens_per_tenant=max_handle_tokens_per_tenant, handle_ttl=handle_ttl, reuse=reuse,
-                     served_model_names=served_model_names, max_registered_agents=max_registered_agents,
-                     max_fidelity_tokens=max_fidelity_tokens)
+    def __init__(self, engine: HostedEngine, *, tenants: Mapping[str, str], args: ServerArgs | None = None,
+                 concurrency: Concurrency | None = None, fallback_max_tokens: int = FALLBACK_MAX_TOKENS,
+                 **options: Any) -> None:
+        """``args`` (and/or its fields as keywords: ``ServerState(engine, tenants=..., max_n=1)``) are
+        every limit and default the endpoints read (``self.args``)."""
+        args = self.args = ServerArgs.of(args, **options)
+        max_kv_bytes_per_tenant = args.max_kv_bytes_per_tenant
         self.engine = engine
         self.tenants = tenants
         self.multi_tenant = bool(tenants)
         self.names = AgentNames(self.multi_tenant)
-        self.default_reuse: Reuse = reuse or engine.default_reuse
-        self.cross_prefix = self._partition(shared_spans, shared_prefix_cache)
+        self.default_reuse = args.reuse or engine.default_reuse
+        self.cross_prefix = self._partition(args.shared_spans, args.shared_prefix_cache)
         first = engine.stats()
         # The names the OpenAI routes report (the first in answers); the engine's own name by default.
-        self.model_names: list[str] = list(served_model_names or [engine.model_name])
+        self.model_names: list[str] = list(args.served_model_names or [engine.model_name])
         self.model = self.model_names[0]
         self.max_context: int | None = engine.max_context
         # max_tokens caps every request (default: the model's context); default_max_tokens applies to
         # requests that give none, on every route.
-        self.max_tokens = max_tokens or self.max_context or fallback_max_tokens
-        self.default_max_tokens = min(default_max_tokens, self.max_tokens)
-        self.max_n = max_n
-        self.threads = threads
-        self.handle_ttl = handle_ttl
+        self.max_tokens = args.max_tokens or self.max_context or fallback_max_tokens
+        self.default_max_tokens = min(args.default_max_tokens, self.max_tokens)
+        self.max_n = args.max_n
+        self.threads = args.threads
+        self.handle_ttl = args.handle_ttl
         self.owners = Owners(Quota(
-            max_handles=max_handles_per_tenant or None,
+            max_handles=args.max_handles_per_tenant or None,
             max_kv_bytes=(blocks_for_budget(max_kv_bytes_per_tenant, first.bytes_per_block) * first.bytes_per_block
                           if max_kv_bytes_per_tenant else None),
             bytes_per_token=first.bytes_per_block / first.block_size,
-            max_handle_tokens=max_handle_tokens_per_tenant or None,
+            max_handle_tokens=args.max_handle_tokens_per_tenant or None,
         ))
-        self.slots = AgentSlots(max_agents)
-        self.registered = RegisteredAgents(max_registered_agents or None)
+        self.slots = AgentSlots(args.max_agents)
+        self.registered = RegisteredAgents(args.max_registered_agents or None)
         # A persistent engine's handles of an earlier run: their tenants own them again.
         self.journal = engine.persistence.journal if engine.persistence is not None else None
         for entry in self.journal.live() if self.journal is not None else ():
@@ -161,10 +103,8 @@ class ServerState:
             if entry.slot is not None:
                 self.slots.slot((tenant, entry.session, entry.slot)).replace(entry.handle.id)
         # Requests in flight and open streams (create_app's limits; by default the threads' own).
-        self.concurrency = concurrency or Concurrency.of_server(
-            threads=threads, tenants=len(set(tenants.values())), max_requests=None, per_tenant=None,
-            max_streams=conf.DEFAULT_MAX_STREAMS, max_streams_per_tenant=conf.DEFAULT_MAX_STREAMS_PER_TENANT)
-        self.max_fidelity_tokens = max_fidelity_tokens or None
+        self.concurrency = concurrency or Concurrency.of_server(args, tenants=len(set(tenants.values())))
+        self.max_fidelity_tokens = args.max_fidelity_tokens or None
         self.views = EventViews(engine.events, self._route_event, renumber=self.multi_tenant)
         self.metrics = Metrics(engine.stats, engine.events, self._tenant_and_agent, usage=self.usage)
         self._hints_lock = threading.Lock()
