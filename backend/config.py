@@ -11,6 +11,13 @@ when the config is built, before any directory is claimed or any weight is read;
 (change one with :func:`dataclasses.replace`, which validates again); importing this module loads
 neither torch nor the engine (the command line builds its parser from it), the few checks that need
 them import them when a config is built.
+
+GPU defaults (issue 50): three knobs default by device, resolved when the config is built (a knob given
+explicitly is kept): ``dtype`` is bfloat16 on CUDA and float32 elsewhere; ``kv_budget`` is 90% of the GPU
+memory free once the weights are loaded on CUDA (as vLLM's ``gpu_memory_utilization``, but of what the
+weights leave; spelled ``"90%"``, stored as ``"90% of cuda:N"`` so that the share is of the engine's own
+device) and 1GiB elsewhere; ``max_batch_tokens`` (the chunk a lone prompt is prefilled in) is 16384 on
+CUDA, where a long prompt in few large chunks runs at the matrix units' speed, and 2048 elsewhere.
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ DEFAULT_KV_BUDGET = "1GiB"
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_BATCH_TOKENS = 2048  # per forward, as vLLM's and SGLang's default step budgets
+# On CUDA (see the module): the dtype, the KV budget as a share of free memory, the step budget.
+CUDA_DTYPE = "bfloat16"
+CUDA_KV_SHARE = "90%"
+CUDA_MAX_BATCH_TOKENS = 16384
 DEFAULT_LOOKAHEAD = 2
 DEFAULT_AUDIT_FRACTION = 0.05  # every 20th approximate answer is checked against dense prefill
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -76,19 +87,21 @@ class EngineConfig:
 
     model: str | None = field(default=None, metadata=_flag(
         ENGINE, "default model, or a local Hugging Face checkpoint dir"))
-    dtype: str = field(default="float32", metadata=_flag(
-        ENGINE, "compute dtype; auto = bf16 where the hardware has it natively (default %(default)s)", choices=DTYPES))
+    dtype: str = field(default=None, metadata=_flag(  # type: ignore[assignment]  # None: by device
+        ENGINE, "compute dtype; auto = bf16 where the hardware has it natively (default: bfloat16 on CUDA, float32 "
+        "elsewhere)", choices=DTYPES))
     device: str = field(default="cpu", metadata=_flag(ENGINE, "torch device (default %(default)s)"))
-    kv_budget: int | str = field(default=DEFAULT_KV_BUDGET, metadata=_flag(
-        ENGINE, 'KV pool size: "512MiB", "2GB", "800 blocks" (default %(default)s)'))
+    kv_budget: int | str = field(default=None, metadata=_flag(  # type: ignore[assignment]  # None: by device
+        ENGINE, 'KV pool size: "512MiB", "2GB", "800 blocks", or "90%%" of the GPU memory free once the weights '
+        f'are loaded (default: {CUDA_KV_SHARE.replace("%", "%%")} on CUDA, {DEFAULT_KV_BUDGET} elsewhere)'))
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata=_flag(
         ENGINE, "tokens per KV block (default %(default)s)"))
     prefill_chunk: int = field(default=DEFAULT_PREFILL_CHUNK, metadata=_flag(
         ENGINE, "most tokens per prefill forward while other requests are active; bounds how long a prompt "
         "stalls them (default %(default)s)"))
-    max_batch_tokens: int = field(default=DEFAULT_MAX_BATCH_TOKENS, metadata=_flag(
+    max_batch_tokens: int = field(default=None, metadata=_flag(  # type: ignore[assignment]  # None: by device
         ENGINE, "most tokens in one forward, and the chunk of a prompt prefilled while no other request is "
-        "active (default %(default)s)"))
+        f"active (default: {CUDA_MAX_BATCH_TOKENS} on CUDA, {DEFAULT_MAX_BATCH_TOKENS} elsewhere)"))
     fast_decode: bool = field(default=True, metadata=_flag(
         ENGINE, "decode through the model's own forward instead of kvbaton's fused decode step (saves the "
         "packed copy of the weights; docs/engine.md)", form="negate"))
@@ -130,6 +143,7 @@ class EngineConfig:
         if self.model is not None and not isinstance(self.model, str):
             object.__setattr__(self, "model", _path_text(self.model))
         object.__setattr__(self, "tiers", _tiers(self.tiers))
+        _device_defaults(self)
         object.__setattr__(self, "correction", _correction(self.correction))
         _validate(self)
 
@@ -167,6 +181,31 @@ class EngineConfig:
 def knob_flags() -> list[tuple[str, Any, Flag]]:
     """``(knob, default, flag)`` of every knob ``kvbaton serve`` takes, in declaration order."""
     return [(f.name, f.default, f.metadata["flag"]) for f in dataclasses.fields(EngineConfig) if "flag" in f.metadata]
+
+
+# -- defaults by device ---------------------------------------------------------------------------
+
+
+def _device_defaults(c: EngineConfig) -> None:
+    """``dtype``, ``kv_budget`` and ``max_batch_tokens`` left unset take their device's default (see the module);
+    a share of free memory is tied to the config's own device; a count given as digits (a command-line flag
+    whose default is unset) becomes an int."""
+    _device(c.device)
+    cuda = c.device.startswith("cuda")
+    if c.dtype is None:
+        object.__setattr__(c, "dtype", CUDA_DTYPE if cuda else "float32")
+    if c.kv_budget is None:
+        object.__setattr__(c, "kv_budget", CUDA_KV_SHARE if cuda else DEFAULT_KV_BUDGET)
+    if isinstance(c.kv_budget, str) and c.kv_budget.strip().partition(" of ")[0].strip().endswith("%"):
+        if not cuda:
+            raise _bad("kv_budget", f"kv_budget: a share of free GPU memory ({c.kv_budget!r}) needs a CUDA device, "
+                       f"not {c.device!r}: give bytes, e.g. '2GiB'")
+        share = c.kv_budget.strip().partition(" of ")[0].strip()
+        object.__setattr__(c, "kv_budget", f"{share} of {c.device}")
+    if c.max_batch_tokens is None:
+        object.__setattr__(c, "max_batch_tokens", CUDA_MAX_BATCH_TOKENS if cuda else DEFAULT_MAX_BATCH_TOKENS)
+    if isinstance(c.max_batch_tokens, str) and c.max_batch_tokens.strip().isdigit():
+        object.__setattr__(c, "max_batch_tokens", int(c.max_batch_tokens))
 
 
 # -- validation -----------------------------------------------------------------------------------
@@ -246,10 +285,12 @@ def _eviction(name: str, value: Any, objects: bool = True) -> None:
 
 
 def _budget(value: Any) -> None:
-    from .cache.block_pool import blocks_for_budget
+    from .cache.block_pool import blocks_for_budget, memory_share
 
     if isinstance(value, bool) or not isinstance(value, int | str) or (isinstance(value, int) and value < 1):
         raise InvalidRequest(f"invalid KV budget {value!r}: use bytes, e.g. '512MiB' or '2GB', or 'N blocks'")
+    if isinstance(value, str) and memory_share(value) is not None:
+        return  # a share of free GPU memory: measured when the pool is built, after the weights
     blocks_for_budget(value, 1)  # the syntax now; the block count once the model gives a block's size
 
 

@@ -161,12 +161,35 @@ class BlockPool:
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
+def memory_share(budget: str) -> tuple[float, str] | None:
+    """``(percent, device)`` of a budget given as a share of a GPU's free memory (``"90%"``, ``"90% of cuda:1"``;
+    device ``"cuda"`` when it names none), None for any other budget; a share outside (0, 100] is refused."""
+    share, _, device = budget.strip().partition(" of ")
+    share = share.strip()
+    if not share.endswith("%"):
+        return None
+    try:
+        percent = float(share[:-1])
+    except ValueError:
+        percent = -1.0
+    if not 0 < percent <= 100:
+        raise InvalidRequest(f"invalid KV budget {budget!r}: a share of free GPU memory is in (0%, 100%], e.g. '90%'")
+    return percent, device.strip() or "cuda"
+
+
 def blocks_for_budget(budget: int | str, bytes_per_block: int) -> int:
-    """Number of blocks a KV budget buys: bytes as an int, or a string like ``"512MiB"`` or ``"800 blocks"``."""
+    """Number of blocks a KV budget buys: bytes as an int, a string like ``"512MiB"`` or ``"800 blocks"``, or a
+    share of a GPU's memory free now (``"90% of cuda:0"``: free plus what torch's allocator holds unused)."""
     if isinstance(budget, bool):
         raise InvalidRequest(f"invalid KV budget {budget!r}")
     if isinstance(budget, int):
         return budget // bytes_per_block
+    share = memory_share(budget)
+    if share is not None:
+        device = torch.device(share[1])
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free * share[0] / 100) // bytes_per_block
     text = budget.strip().lower().replace(" ", "")
     if text.endswith("blocks"):
         count = text.removesuffix("blocks")

@@ -88,7 +88,8 @@ class RadixCache:
         mover: BlockMover | None = None,
     ) -> None:
         self.pool = pool
-        self.mover = mover or BlockMover(pool)  # batched block copies to and from the tiers
+        # Batched block copies to and from the tiers, straight into the host tier's slab when it is the first.
+        self.mover = mover or BlockMover(pool, host=tiers[0] if tiers else None)
         self.policy = policy
         self.tier_policy = tier_policy or policy  # order inside the slow tiers (the same unless ablating)
         self.tiers = list(tiers)

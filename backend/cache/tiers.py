@@ -1,6 +1,7 @@
 """Slower KV tiers below the device pool: host RAM and disk.
 
-A tier stores whole blocks (all layers' K and V of ``block_size`` tokens) under an integer key.
+A tier stores whole blocks (all layers' K and V of ``block_size`` tokens) under an integer key. The host
+tier is one slab of block slots (:mod:`.host_tier`), the disk tier one block file per block.
 Blocks evicted from the device go to the first tier instead of being dropped; the radix cache
 decides what moves where (same priority order in every tier). A tier only stores and returns
 bytes, and it checks them: a corrupted or missing block raises :class:`.blockfile.BlockDataError`, so the
@@ -35,6 +36,7 @@ from ..dirs import cache_dir
 from . import blockfile
 from .block_pool import blocks_for_budget
 from .blockfile import BlockDataError
+from .host_tier import HostTier
 from .tierdirs import TierDir, claim, default_dir
 from .volume import MIB
 
@@ -73,40 +75,8 @@ class Tier(abc.ABC):
         """Remove everything the tier stored."""
 
 
-class HostTier(Tier):
-    """Host RAM; pinned when the device is a GPU so copies back run at full bandwidth. Its blocks live in this
-    process's memory, as the pool's do, so they carry no checksum (the disk tier's do): on a GPU, a CRC of
-    each block cost as much as its copy, on the very path the tier exists to make fast (issue 38)."""
-
-    name = "host"
-
-    def __init__(self, capacity: int, pin: bool = False) -> None:
-        super().__init__(capacity)
-        self._pin = pin
-        self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def put(self, key: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        # A copy of its own (the caller's may be a view of a batch): straight into pinned memory when pinning.
-        k, v = (torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin).copy_(t) for t in (k, v))
-        self._blocks[key] = (k, v)
-        self.bytes_written += 2 * k.nbytes
-
-    def get(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
-            k, v = self._blocks[key]
-        except KeyError:
-            raise BlockDataError(f"block {key} is not in the host tier") from None
-        self.bytes_read += 2 * k.nbytes
-        return k, v
-
-    def delete(self, key: int) -> None:
-        self._blocks.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def close(self) -> None:
-        self._blocks.clear()
+# Host RAM: one slab of block slots, pinned on a GPU's host (host_tier.py); a Tier by its interface.
+Tier.register(HostTier)
 
 
 class DiskTier(Tier):
