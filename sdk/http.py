@@ -38,6 +38,7 @@ from .errors import (
     error_from_code,
 )
 from .ops import AsyncKVOps, KVOps
+from .scope import current_session
 from .stream import AsyncTokenStream, TokenStream
 from .types import Result, StreamChunk
 from .wire import OPERATIONS, Operation
@@ -185,6 +186,18 @@ def _headers(token: str | None, headers: dict[str, str] | None) -> dict[str, str
     return out
 
 
+def _session_header(request: httpx.Request) -> None:
+    """A request made inside a scope with a reuse session carries it (``X-Kvbaton-Session``), unless it names
+    one already (:func:`kvbaton.scope.current_session`)."""
+    session = current_session()
+    if session is not None and "x-kvbaton-session" not in request.headers:
+        request.headers["x-kvbaton-session"] = session
+
+
+async def _asession_header(request: httpx.Request) -> None:
+    _session_header(request)
+
+
 def _payload(method: str, body: Any) -> dict[str, Any]:
     """httpx arguments of a body: a GET's or a DELETE's fields go in the query string, anything else is JSON."""
     return {"params": body} if method in ("GET", "DELETE") and body is not None else {"json": body}
@@ -243,7 +256,7 @@ class HttpOps(_Connection[httpx.Client]):
     thread-safe: one instance may serve many threads."""
 
     def _open(self, options: dict[str, Any]) -> httpx.Client:
-        return httpx.Client(**options)
+        return httpx.Client(**options, event_hooks={"request": [_session_header]})
 
     def _run(self, operation: Operation, body: Any) -> Any:
         if operation.stream:
@@ -294,7 +307,7 @@ class AsyncHttpOps(_Connection[httpx.AsyncClient]):
     from the same table."""
 
     def _open(self, options: dict[str, Any]) -> httpx.AsyncClient:
-        return httpx.AsyncClient(**options)
+        return httpx.AsyncClient(**options, event_hooks={"request": [_asession_header]})
 
     async def _run(self, operation: Operation, body: Any) -> Any:
         if operation.stream:

@@ -20,6 +20,15 @@ Invariants:
   ``client.release`` frees it (and ends the keep); an id equal to one of the call's inputs (a
   transfer keeps its id) is never recorded, so a scope only owns what was created inside it;
 - a closed scope records nothing more; every release is logged at debug level with its counts.
+
+**Reuse sessions.** A scope may name a ``session`` (``Scope(session="run-7")``): the unit of work whose
+requests may reuse each other's K/V approximately (``reuse="auto"`` and the like place only spans their
+own session computed, ``EngineConfig.span_partition``). :func:`current_session` is the session of the
+innermost active scope that names one (None: none does). Inside such a scope the framework adapters tag
+their requests with it (an in-process engine gets ``AgentRef(name=..., session=...)``), and an HTTP
+client sends it as ``X-Kvbaton-Session`` on every request that does not carry one; the adapters open one
+per run (a LangGraph invocation or thread, an AutoGen team's conversation), so a run never places spans
+of an earlier, unrelated run unless the runs name the same session on purpose.
 """
 
 from __future__ import annotations
@@ -31,9 +40,9 @@ from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from .errors import HandleNotFound, HandleReleased
+from .errors import HandleNotFound, HandleReleased, InvalidRequest
 from .handle import Handle
-from .ops import AsyncKVOps, is_async
+from .ops import MAX_AGENT_CHARS, AsyncKVOps, is_async
 from .stream import AsyncTokenStream, TokenStream
 from .threaded import threaded
 from .types import Composition, Result, StreamChunk
@@ -93,6 +102,23 @@ def keep(handles: Any) -> None:
 def active() -> tuple[Scope, ...]:
     """The scopes active in this context, outermost first."""
     return _ACTIVE.get()
+
+
+def check_session(session: str | None) -> str | None:
+    """``session`` as a reuse session's name (None: none); InvalidRequest unless a non-empty string of at
+    most :data:`~kvbaton.ops.MAX_AGENT_CHARS` characters (what a server takes in ``X-Kvbaton-Session``)."""
+    if session is not None and (not isinstance(session, str) or not session or len(session) > MAX_AGENT_CHARS):
+        raise InvalidRequest(f"a session is a non-empty string of at most {MAX_AGENT_CHARS} characters, "
+                             f"got {session!r}")
+    return session
+
+
+def current_session() -> str | None:
+    """The reuse session of the innermost active scope that names one; None when none does."""
+    for scope in reversed(_ACTIVE.get()):
+        if scope.session is not None:
+            return scope.session
+    return None
 
 
 def record(client: Any, out: T, *inputs: Any, via: Any = None) -> T:
@@ -214,9 +240,10 @@ class Scope:
     """The handles one unit of work owns (see the module docstring). ``client``: record only the
     handles of that client (and the clients it is built on); None: of every client."""
 
-    def __init__(self, client: Any = None, *, name: str = "scope") -> None:
+    def __init__(self, client: Any = None, *, name: str = "scope", session: str | None = None) -> None:
         self.client = client
         self.name = name
+        self.session = check_session(session)
         self.closed = False
         self._covers = None if client is None else _family(client)
         self._owned: dict[str, Any] = {}  # handle id -> the client that created it (insertion order)
@@ -224,7 +251,8 @@ class Scope:
         self._tokens: list[Token[tuple[Scope, ...]]] = []
 
     def __repr__(self) -> str:
-        return f"Scope({self.name!r}, owns {len(self)} handles{', closed' if self.closed else ''})"
+        session = f", session {self.session!r}" if self.session is not None else ""
+        return f"Scope({self.name!r}, owns {len(self)} handles{session}{', closed' if self.closed else ''})"
 
     def __len__(self) -> int:
         with self._lock:
@@ -371,6 +399,8 @@ __all__ = [
     "active",
     "arecord_stream",
     "arelease_quietly",
+    "check_session",
+    "current_session",
     "handle_ids",
     "is_kept",
     "keep",

@@ -198,8 +198,9 @@ def test_autogen_instrumented_replies_are_stamped(kv):
                               system_message=f"You are the {name}. Be brief.")
 
     reader, critic = assistant("stamp_reader"), assistant("stamp_critic")
-    instrument(reader, kv, max_tokens=MAX_TOKENS)
-    instrument(critic, kv, max_tokens=MAX_TOKENS, reuse="rotate")
+    # two instrumented agents, two runs: one reuse session only because they name it (tests/test_reuse_scope.py)
+    instrument(reader, kv, max_tokens=MAX_TOKENS, session="stamp")
+    instrument(critic, kv, max_tokens=MAX_TOKENS, reuse="rotate", session="stamp")
     assert reader.kvbaton.model_clients["stamp_reader"].dump_component().config["reuse"] == "auto"
 
     meta = asyncio.run(reader.run(task=doc)).messages[-1].metadata

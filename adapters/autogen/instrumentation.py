@@ -19,6 +19,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any, TypeVar
@@ -28,6 +29,7 @@ from autogen_agentchat.messages import BaseChatMessage
 from autogen_core import Component, ComponentBase, ComponentLoader, ComponentModel
 from kvbaton.client import AsyncClient, Client
 from kvbaton.errors import InvalidRequest
+from kvbaton.scope import check_session
 from kvbaton.stepgraph import StepGraph
 from pydantic import BaseModel, Field
 
@@ -98,6 +100,16 @@ class Instrumentation:
     """Runs in progress (``team.run`` runs ``team.run_stream``: only the outermost ends the scope)."""
     changes: list[str] = field(default_factory=list)
     """What :func:`instrument` changed or left alone, one line per model client (also logged)."""
+    session: str | None = None
+    """The reuse session every run shares (``instrument(session=...)``: reuse across runs, on purpose); None:
+    each conversation is its own (:attr:`conversation`)."""
+    conversation: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """The current conversation's reuse session: new at ``instrument()`` and at every ``reset()``."""
+
+    @property
+    def reuse_session(self) -> str:
+        """The reuse session of the team's runs now (:mod:`kvbaton.scope`)."""
+        return self.session if self.session is not None else self.conversation
 
     def __post_init__(self, send_hints: bool) -> None:
         # False: hints are only logged; a client without hints() turns it off by itself
@@ -151,9 +163,10 @@ class Instrumentation:
         await aend_run(run, None, set())
 
     def reset(self) -> None:
-        """Forget run-time state (a new run of the team)."""
+        """Forget run-time state (a new run of the team); the next conversation is a new reuse session."""
         self.running.clear()
         self.finished.clear()
+        self.conversation = uuid.uuid4().hex
 
     async def _hint(self) -> None:
         known = set(self.step_graph.agents)
@@ -210,6 +223,7 @@ def instrument(
     *,
     prefill: bool = False,
     hints: bool = True,
+    session: str | None = None,
     **client_options: Any,
 ) -> T:
     """Put kvbaton under an AutoGen agent or team, in place; returns it.
@@ -231,7 +245,11 @@ def instrument(
       is sent;
     - replies are stamped with ``metadata["kvbaton_handle"]``, ``"kvbaton_exact"`` and
       ``"kvbaton_tokens_approximate"``;
-    - every ``run`` / ``run_stream`` is an ownership scope; ``team.reset()`` (a single agent's
+    - every ``run`` / ``run_stream`` is an ownership scope and runs in the conversation's reuse session: its
+      requests place only spans the same conversation computed (from ``instrument()`` or the last
+      ``reset()`` on), so a new team's (or a reset team's) first agent never answers from an earlier run's
+      K/V; ``session="name"`` makes every run that session (reuse across runs, on purpose);
+      ``team.reset()`` (a single agent's
       ``on_reset``) releases every handle the model clients hold, and closing a model client the app
       built (``await model_client.close()``) closes the kvbaton clients that replaced it;
     - ``obj.dump_component()`` dumps an :class:`Instrumented` component: ``load_component`` of it
@@ -265,7 +283,8 @@ def instrument(
             "replace them"
         )
     graph = extract_step_graph(obj)
-    inst = Instrumentation(step_graph=graph, client=backend, send_hints=hints, changes=changes)
+    inst = Instrumentation(step_graph=graph, client=backend, send_hints=hints, changes=changes,
+                           session=check_session(session))
     for line in changes:
         (logger.warning if " kept as it is " in line else logger.info)("kvbaton instrument(): %s", line)
     registrations: list[tuple[KvbatonChatCompletionClient, list[dict[str, str]]]] = []
@@ -286,7 +305,8 @@ def instrument(
             model_client.register_agent_sync(system, prefill=prefill)
     _wrap_reset(obj, inst, "reset" if participants else "on_reset")
     _wrap_runs(obj, inst)
-    _wrap_dump(obj, {"client": target_of(backend), "prefill": prefill, "hints": hints, **client_options})
+    _wrap_dump(obj, {"client": target_of(backend), "prefill": prefill, "hints": hints,
+                     **({"session": session} if session is not None else {}), **client_options})
     obj.kvbaton = inst
     obj.step_graph = graph
     return agent_or_team
@@ -392,6 +412,8 @@ def _wrap_runs(obj: Any, inst: Instrumentation) -> None:
     async def begin() -> tuple[Any, Any]:
         inst.runs += 1
         scope = run_scope(f"autogen run of {getattr(obj, 'name', 'a team')}") if inst.runs == 1 else None
+        if scope is not None:
+            scope.session = inst.reuse_session
         return scope, scope.activate() if scope is not None else None
 
     async def end(scope: Any, token: Any) -> None:

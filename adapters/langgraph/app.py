@@ -11,22 +11,30 @@ first); the rest is released when the call ends. In mode 2 the server holds the 
 (the thread): a run without a ``thread_id`` has a session of its own, released (``DELETE
 /v1/sessions/{id}``) when the next such run ends; ``release(thread_id)`` releases the thread's session.
 
+Reuse sessions: every run is a reuse session (:mod:`kvbaton.scope`), the same one in both modes — its
+thread's (``thread_id``), else its own — so its requests place only spans the same run (or thread)
+computed, and a new run's first agent reads its documents densely instead of inheriting an earlier,
+unrelated run's K/V. ``wrap(app, session="name")`` is the explicit choice of reuse across runs: every
+run of the wrapped app is that session.
+
 Invariants: the wrapper changes no input, output or stream of the app; the step graph learns edges
 at run time under the wrapper's lock, which the hint sender reads it under.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
+import uuid
 from collections.abc import AsyncIterator, Collection, Iterator, Mapping
 from contextvars import copy_context
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbaton.ops import check_reuse
-from kvbaton.scope import Scope
+from kvbaton.ops import MAX_AGENT_CHARS, check_reuse
+from kvbaton.scope import Scope, check_session
 from kvbaton.stepgraph import StepGraph
 from langchain_core.runnables import Runnable
 
@@ -71,8 +79,10 @@ class LangGraphApp(Runnable):
 
     def __init__(self, app: Any, client: Any = None, *, base_url: str | None = None, token: str | None = None,
                  redirect_openai: bool = False, narrow_wildcards: bool = True, release_handles: bool = True,
-                 reuse: str | None = DEFAULT_REUSE, max_retained_handles: int | None = MAX_RETAINED_HANDLES) -> None:
+                 reuse: str | None = DEFAULT_REUSE, max_retained_handles: int | None = MAX_RETAINED_HANDLES,
+                 session: str | None = None) -> None:
         check_reuse(reuse)
+        self.session = check_session(session)  # None: each run (thread) is its own reuse session
         self.app = app
         self.reuse = reuse
         self.release_handles = release_handles
@@ -242,15 +252,27 @@ class LangGraphApp(Runnable):
     def _checkpointed(self, config: Any) -> bool:
         return bool(getattr(self.app, "checkpointer", None)) and self._thread(config) is not None
 
-    def _begin(self) -> Scope | None:
-        return run_scope("langgraph run") if self.release_handles else None
+    def _begin(self, config: Any) -> tuple[Scope, Run]:
+        """A run's scope and run time. The scope is its reuse session (the wrapper's, else the thread's or its
+        own: ``Run.session``, which mode 2 sends as ``X-Kvbaton-Session``) and, with ``release_handles``, the
+        owner of what it creates."""
+        active = Run(self, config)
+        if self.session is not None:
+            active.session = self.session
+        elif not active.session:  # an empty thread id names no session
+            active.session = uuid.uuid4().hex
+        elif len(active.session) > MAX_AGENT_CHARS:  # a long thread id: a session name of bounded length
+            active.session = hashlib.sha256(active.session.encode()).hexdigest()
+        run = run_scope("langgraph run") if self.release_handles else Scope(name="langgraph run (not owning)")
+        run.session = active.session
+        return run, active
 
-    def _finish(self, run: Scope | None, config: Any, output: Any, session: str,
+    def _finish(self, run: Scope, config: Any, output: Any, session: str,
                 deferred: _Batch | None = None) -> None:
         """End a run: what its result (with a checkpointer: its thread's latest checkpoint)
         references goes to the thread, the rest is released. In a batch the thread's earlier
         handles are superseded once, by every result of the batch (``deferred``)."""
-        if run is None:
+        if not self.release_handles:
             return
         refs = referenced_ids(output)
         if self._checkpointed(config):
@@ -263,9 +285,9 @@ class LangGraphApp(Runnable):
                 limit=self.max_retained_handles)
         release_sessions(self.base_url, self.token, stale)
 
-    async def _afinish(self, run: Scope | None, config: Any, output: Any, session: str,
+    async def _afinish(self, run: Scope, config: Any, output: Any, session: str,
                        deferred: _Batch | None = None) -> None:
-        if run is None:
+        if not self.release_handles:
             return
         refs = referenced_ids(output)
         if self._checkpointed(config):
@@ -285,8 +307,8 @@ class LangGraphApp(Runnable):
         run.name = f"langgraph run of thread {thread!r}"
         if deferred is not None:
             deferred.refs.setdefault(thread, set()).update(refs)
-        if not self.base_url or thread is not None:
-            return set()  # a thread's session lives until release(thread_id)
+        if not self.base_url or thread is not None or self.session is not None:
+            return set()  # a thread's (or the wrapper's) session lives until release(thread_id)
         if deferred is not None:
             deferred.sessions.add(session)
             return set()
@@ -327,21 +349,20 @@ class LangGraphApp(Runnable):
             return set()
         if thread_id is not None:
             return {str(thread_id)}
-        return self._hold_sessions(set())
+        return self._hold_sessions(set()) | ({self.session} if self.session is not None else set())
 
     # -- delegation -----------------------------------------------------------------------------
-    def _context(self, run: Scope | None, active: Run) -> Any:
+    def _context(self, run: Scope, active: Run) -> Any:
         ctx = copy_context()
         ctx.run(ACTIVE_RUN.set, active)
-        if run is not None:
-            ctx.run(run.activate)  # the context is the run's own: nothing to reset
+        ctx.run(run.activate)  # the context is the run's own: nothing to reset
         return ctx
 
     def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
         return self._invoke(input, config, None, **kwargs)
 
     def _invoke(self, input: Any, config: Any, deferred: _Batch | None, **kwargs: Any) -> Any:
-        run, active = self._begin(), Run(self, config)
+        run, active = self._begin(config)
         output = None
         try:
             output = self._context(run, active).run(self.app.invoke, input, config, **kwargs)
@@ -350,7 +371,7 @@ class LangGraphApp(Runnable):
             self._finish(run, config, output, active.session, deferred)
 
     def stream(self, input: Any, config: Any = None, **kwargs: Any) -> Iterator[Any]:
-        run, active = self._begin(), Run(self, config)
+        run, active = self._begin(config)
         ctx = self._context(run, active)
         seen: set[str] = set()  # what the streamed states / updates referenced
         try:
@@ -358,7 +379,7 @@ class LangGraphApp(Runnable):
             done = object()
             try:
                 while (item := ctx.run(next, iterator, done)) is not done:
-                    if run is not None:
+                    if self.release_handles:
                         seen |= referenced_ids(item)
                     yield item
             finally:
@@ -396,33 +417,31 @@ class LangGraphApp(Runnable):
         return await self._ainvoke(input, config, None, **kwargs)
 
     async def _ainvoke(self, input: Any, config: Any, deferred: _Batch | None, **kwargs: Any) -> Any:
-        run, active = self._begin(), Run(self, config)
+        run, active = self._begin(config)
         token = ACTIVE_RUN.set(active)
-        scoped = run.activate() if run is not None else None
+        scoped = run.activate()
         output = None
         try:
             output = await self.app.ainvoke(input, config, **kwargs)
             return output
         finally:
             reset_active(token)
-            if scoped is not None:
-                Scope.deactivate(scoped)
+            Scope.deactivate(scoped)
             await self._afinish(run, config, output, active.session, deferred)
 
     async def astream(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:
-        run, active = self._begin(), Run(self, config)
+        run, active = self._begin(config)
         token = ACTIVE_RUN.set(active)
-        scoped = run.activate() if run is not None else None
+        scoped = run.activate()
         seen: set[str] = set()
         try:
             async for item in self.app.astream(input, config, **kwargs):
-                if run is not None:
+                if self.release_handles:
                     seen |= referenced_ids(item)
                 yield item
         finally:
             reset_active(token)
-            if scoped is not None:
-                Scope.deactivate(scoped)
+            Scope.deactivate(scoped)
             await self._afinish(run, config, seen, active.session)
 
     async def abatch(self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False,
@@ -454,7 +473,8 @@ class LangGraphApp(Runnable):
 
 def wrap(app: Any, client: Any = None, *, base_url: str | None = None, token: str | None = None,
          redirect_openai: bool = False, narrow_wildcards: bool = True, release_handles: bool = True,
-         reuse: str | None = DEFAULT_REUSE, max_retained_handles: int | None = MAX_RETAINED_HANDLES) -> LangGraphApp:
+         reuse: str | None = DEFAULT_REUSE, max_retained_handles: int | None = MAX_RETAINED_HANDLES,
+         session: str | None = None) -> LangGraphApp:
     """Wrap a compiled LangGraph graph: the result is a Runnable that behaves like it.
 
     Every chat model found on the app's nodes is routed through kvbaton, or ``wrap`` raises
@@ -484,10 +504,14 @@ def wrap(app: Any, client: Any = None, *, base_url: str | None = None, token: st
 
     ``release_handles``: each call is an ownership scope (see the module docstring; ``False``:
     nothing is released, the handles are the caller's). ``max_retained_handles``: the most handles
-    held per thread between runs (default 16; the oldest are released first; None: no bound)."""
+    held per thread between runs (default 16; the oldest are released first; None: no bound).
+
+    ``session``: the reuse session of every run (reuse across runs, on purpose). By default each run is its
+    own session (its ``thread_id``'s, else one per invocation), in both modes: ``reuse="auto"`` places only
+    spans the same run computed, so a new run's first agent never answers from an earlier run's K/V."""
     return LangGraphApp(app, client, base_url=base_url, token=token, redirect_openai=redirect_openai,
                         narrow_wildcards=narrow_wildcards, release_handles=release_handles, reuse=reuse,
-                        max_retained_handles=max_retained_handles)
+                        max_retained_handles=max_retained_handles, session=session)
 
 
 __all__ = ["DEFAULT_REUSE", "LangGraphApp", "wrap"]
