@@ -16,11 +16,21 @@ of the whole round (for (b) including the materialize), mean TTFT, tokens prefil
 ways: ``held`` is the pool's blocks in use when every agent has answered (block arithmetic:
 blocks x bytes per block, all results alive), ``peak`` the pool high-water mark sampled every 50 ms
 while the round ran (measured; it also sees blocks freed before the end).
+
+With ``--workers N ...`` (e.g. 1 2 3), also the throughput of N CPU workers against one on the Ray
+backend (:mod:`kvbaton.backend.cluster`, a private Ray instance, or ``--ray-address``): the same batch
+of ``--worker-agents`` requests (each its own context of ``--context-tokens`` tokens and
+``--max-tokens`` tokens generated, all sent at once) on a cluster of N workers, each with
+``cores // N`` torch threads (at least one). Per N: wall time of the batch (median [min–max] over
+``--repeats``), tokens per second (prompt and generated), and the speed-up against one worker. On a
+machine with fewer cores than workers the workers share them: the ratio then says what the backend
+costs, not what N devices give.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -119,6 +129,56 @@ def run(ks: tuple[int, ...] = DEFAULT_KS, context_tokens: int = 1024, max_tokens
             "rows": rows}
 
 
+def workers_phase(ns: tuple[int, ...], agents: int, context_tokens: int, max_tokens: int, repeats: int,
+                  ray_address: str | None = None) -> list[dict[str, Any]]:
+    """The same batch of requests on Ray clusters of N CPU workers (see the module docstring)."""
+    from kvbaton.backend.cluster import Cluster
+
+    cores = os.cpu_count() or 1
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    rows: list[dict[str, Any]] = []
+    for n in tqdm(ns, desc="workers", unit="N"):
+        threads = max(1, cores // n)
+        with Cluster(["cpu"] * n, engine_options={"kv_budget": "512MiB", "prefix_cache": False}, calibrate=False,
+                     worker_threads=threads, ray_address=ray_address) as cluster:
+            prompts = [cluster.tokenize(document(int(context_tokens * 0.9) + 100, seed=100 + i))[:context_tokens]
+                       for i in range(agents)]
+            with ThreadPoolExecutor(max_workers=max(n, agents)) as pool:
+                warm = list(pool.map(lambda i: cluster.complete(prompts[i][:64], SamplingParams(max_tokens=2)),
+                                     range(n)))  # every worker's first forward, off the clock
+                cluster.release([r.handle for r in warm])
+                walls = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    results = list(pool.map(lambda p: cluster.complete(p, params), prompts))
+                    walls.append(time.perf_counter() - start)
+                    cluster.release([r.handle for r in results])
+            per_worker = {w.rank: w.stats.tokens_prefilled for w in cluster.stats().cluster.workers if w.stats}
+        row: dict[str, Any] = {"workers": n, "threads_per_worker": threads, "agents": agents,
+                               "tokens": agents * (context_tokens + max_tokens),
+                               "prefilled_per_worker": per_worker}
+        measured(row, "wall_s", walls)
+        row["tokens_per_s"] = row["tokens"] / row["wall_s"]
+        rows.append(row)
+    base = next((r for r in rows if r["workers"] == 1), None)
+    for r in rows:
+        r["speedup_vs_1"] = base["wall_s"] / r["wall_s"] if base is not None else None
+    return rows
+
+
+def workers_table(payload: dict[str, Any]) -> str:
+    rows = payload.get("workers_rows") or []
+    if not rows:
+        return ""
+    text = format_table(
+        ["workers", "threads each", "agents", "wall s", "tokens/s", "vs 1 worker", "prefilled per worker"],
+        [[r["workers"], r["threads_per_worker"], r["agents"], cell(r, "wall_s"), f"{r['tokens_per_s']:.0f}",
+          "-" if r["speedup_vs_1"] is None else f"{r['speedup_vs_1']:.2f}x",
+          " / ".join(str(v) for v in r["prefilled_per_worker"].values())] for r in rows])
+    return (f"\n\nN CPU workers on the Ray backend against one ({payload.get('cores', '?')} cores; the workers "
+            f"share them):\n\n{text}")
+
+
 def has_cached(payload: dict[str, Any]) -> bool:
     """Whether the record measured text replay with the prefix cache on (older records did not)."""
     return all("cached_wall_s" in r for r in payload["rows"])
@@ -149,7 +209,7 @@ def table(payload: dict[str, Any]) -> str:
     if not cached:
         note = (f"text: text replay on an engine without a prefix cache; vs: its time or peak KV over handles'. Text "
                 f"replay with the prefix cache on, the baseline of a prefix-caching server: {NOT_MEASURED}.")
-    return f"{text}\n\n{note}"
+    return f"{text}\n\n{note}{workers_table(payload)}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -161,5 +221,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds per k and side (default 3; all kept)")
     parser.add_argument("--no-cached", action="store_true",
                         help="skip text replay on an engine with its prefix cache on")
-    record.measure_and_write(parser, "scaling", argv, lambda args: run(
-        tuple(args.ks), args.context_tokens, args.max_tokens, args.repeats, cached=not args.no_cached), table)
+    parser.add_argument("--workers", type=int, nargs="*", default=[],
+                        help="also N CPU workers on the Ray backend against one, for each N given (e.g. 1 2 3)")
+    parser.add_argument("--worker-agents", type=int, default=6, help="requests in the --workers batch (default 6)")
+    parser.add_argument("--ray-address", default=None, help="--workers on this Ray cluster (default: a private one)")
+
+    def both(args: argparse.Namespace) -> dict[str, Any]:
+        payload = run(tuple(args.ks), args.context_tokens, args.max_tokens, args.repeats, cached=not args.no_cached)
+        if args.workers:
+            payload["cores"] = os.cpu_count()
+            payload["workers_rows"] = workers_phase(tuple(args.workers), args.worker_agents, args.context_tokens,
+                                                    args.max_tokens, args.repeats, args.ray_address)
+        return payload
+
+    record.measure_and_write(parser, "scaling", argv, both, table)

@@ -1,11 +1,13 @@
 """Multi-device: KV transfer vs recompute between workers, and fork across workers vs text replay.
 
-All measured in one run on one cluster of worker processes (default: two CPU workers, gloo):
+All measured in one run on one cluster of Ray worker actors (default: two CPU workers on a private
+Ray instance, KV through Ray's object store; ``--transport collective`` for a gloo/NCCL group,
+``--ray-address`` for a running Ray cluster):
 
 (1) crossover: a handle of L tokens lives on worker 0 and is needed on worker 1. Measured side by
-    side: moving its KV blocks over torch.distributed (transfer) and recomputing it from lineage on
+    side: moving its KV blocks over the cluster's transport (transfer) and recomputing it from lineage on
     worker 1 (recompute), for each context length and each bandwidth cap (slow links are EMULATED:
-    the sender paces its sends to the cap over the real loopback link; "none" = the unpaced link).
+    the transfer is paced to the cap over the real link; "none" = the unpaced link).
     Also shown: the cost model's predictions and choice, and whether that choice was the faster one
     measured. Then, per length, cells at the model's own crossover: the link speed at which its
     calibrated line predicts transfer and recompute to take equally long (bytes / (predicted
@@ -181,12 +183,14 @@ def fork_across(cluster: Any, corpus: list[int], context_tokens: int, ks: tuple[
 def run(devices: list[str], lengths: tuple[int, ...], caps: tuple[str, ...], ks: tuple[int, ...],
         context_tokens: int, max_tokens: int, suffix_tokens: int, repeats: int, kv_budget: str,
         worker_threads: int | None, balance_slack: int = 1,
-        factors: tuple[float, ...] = DEFAULT_CROSSOVER_FACTORS) -> dict[str, Any]:
+        factors: tuple[float, ...] = DEFAULT_CROSSOVER_FACTORS, ray_address: str | None = None,
+        transport: str = "auto") -> dict[str, Any]:
     from kvbaton.backend.cluster import Cluster
 
     need = max([*lengths, context_tokens]) + max(ks) * suffix_tokens + 200
     with Cluster(devices, engine_options={"kv_budget": kv_budget, "prefix_cache": False},
-                 calibration_cache=None, worker_threads=worker_threads, balance_slack=balance_slack) as cluster:
+                 calibration_cache=None, worker_threads=worker_threads, balance_slack=balance_slack,
+                 ray_address=ray_address, transport=transport) as cluster:
         corpus = cluster.tokenize(document(int(need * 1.2), seed=23))[:need]
         record.watch_kv("cluster", worker_bytes(cluster))
         warm = cluster.materialize(corpus[:32])
@@ -196,8 +200,10 @@ def run(devices: list[str], lengths: tuple[int, ...], caps: tuple[str, ...], ks:
         recompute_refit = refit(cross)
         fork = fork_across(cluster, corpus, context_tokens, ks, max_tokens, suffix_tokens)
         model = cluster.loaded.name
+        used = cluster.transport
     return {
         "benchmark": "transfer", "model": model, "devices": devices, "worker_threads": worker_threads,
+        "backend": "ray", "transport": used,
         "balance_slack": balance_slack,
         "calibration": {"bandwidth_bytes_per_s": cal.bandwidth_bytes_per_s, "latency_s": cal.latency_s,
                         "prefill_tokens_per_s": {w.rank: w.prefill_tokens_per_s for w in cal.workers}},
@@ -272,7 +278,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--crossover-factors", type=float, nargs="*", default=list(DEFAULT_CROSSOVER_FACTORS),
                         help="cells per length at these multiples of the link speed the cost model predicts as the "
                         "crossover (default 0.8 1 1.25; none: no such cells)")
+    parser.add_argument("--ray-address", default=None,
+                        help="run the workers on this Ray cluster (default: a private Ray instance here)")
+    parser.add_argument("--transport", default="auto", choices=["auto", "collective", "object-store"],
+                        help="how KV moves between workers (default auto: NCCL with a GPU each, else the object store)")
     record.measure_and_write(parser, "transfer", argv, lambda args: run(
         [d.strip() for d in args.devices.split(",")], tuple(args.lengths), tuple(args.caps), tuple(args.ks),
         args.context, args.max_tokens, args.suffix, args.repeats, args.kv_budget, args.worker_threads,
-        args.balance_slack, tuple(args.crossover_factors)), table)
+        args.balance_slack, tuple(args.crossover_factors), args.ray_address, args.transport), table)

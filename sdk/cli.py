@@ -102,7 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=options.log_level.upper(), format=LOG_FORMAT)
-    if args.persist and (options.engine == "sglang" or options.rank > 0):
+    if args.persist and options.engine == "sglang":
         print("kvbaton serve: error: --persist needs kvbaton's own engine on the serving process", file=sys.stderr)
         return 2
     if options.engine == "sglang":
@@ -120,12 +120,9 @@ def _serve(args: argparse.Namespace) -> int:
     except KvbatonError as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2
-    world = options.world_size
-    if options.rank > 0:
-        return _serve_worker(args, options, config)
     cluster_options = None
-    if (devices and len(devices) > 1) or (world and world > 1):
-        cluster_options = {"devices": devices or [args.device], "world_size": world,
+    if (devices and len(devices) > 1) or options.ray_address:
+        cluster_options = {"devices": devices or [args.device], "ray_address": options.ray_address,
                            "bandwidth_cap": options.bandwidth_cap, "balance_slack": options.balance_slack,
                            "heartbeat_timeout": options.heartbeat_timeout}
     from kvbaton.backend.server import serve
@@ -135,23 +132,6 @@ def _serve(args: argparse.Namespace) -> int:
     except KvbatonError as exc:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2
-    return 0
-
-
-def _serve_worker(args: argparse.Namespace, options: ServerArgs, config: EngineConfig) -> int:
-    """``kvbaton serve --rank R`` (R > 0): one worker joining the rank-0 server of a multi-node cluster."""
-    from kvbaton.backend.cluster.worker import run_worker
-
-    if not options.world_size or not 0 < options.rank < options.world_size:
-        print("kvbaton serve: error: --rank R > 0 needs --world-size N > R", file=sys.stderr)
-        return 2
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not addr or not port:
-        print("kvbaton serve: error: --rank R > 0 needs MASTER_ADDR and MASTER_PORT (rank 0's address)",
-              file=sys.stderr)
-        return 2
-    control = int(os.environ.get("KVBATON_CONTROL_PORT") or int(port) + 1)
-    run_worker(options.rank, options.world_size, config.device, (addr, control), config, options.bandwidth_cap)
     return 0
 
 

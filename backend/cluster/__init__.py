@@ -1,7 +1,9 @@
-"""Multi-device serving: a coordinator over one worker process per device.
+"""Multi-device and multi-node serving on Ray: an ingress over one worker actor per device.
 
-Start-up (rendezvous, calibration), routing (placement), moving handles between workers (transfer or
-recompute, as the cost model says; KV over torch.distributed) and failover of streams.
+Start-up (:mod:`.launch`: Ray, placement group, actors), routing (:mod:`.routing`,
+:mod:`.placement`), moving handles between workers (:mod:`.moves`: transfer or recompute, as the
+cost model says; KV over a collective group or Ray's object store, :mod:`.transfer`), streams that
+outlive their worker (:mod:`.streams`) and workers that Ray restarts (:mod:`.liveness`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ __all__ = ["Cluster"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: the worker processes import their own modules without the coordinator's.
+    # Lazy: importing the package must not import Ray for code that never starts a cluster.
     if name == "Cluster":
         from .coordinator import Cluster
 

@@ -1,22 +1,25 @@
 """Measuring a cluster for its cost model: the link between two workers and each worker's prefill.
 
 The measurements feed :class:`~.costmodel.Calibration` (the transfer-or-recompute rule). A probe
-runs a send on one worker and its matching receive on the other at the same time
-(:func:`send_and_receive`, also how a KV transfer runs), under the cluster's transfer lock so no
-real transfer shares the link meanwhile. Prefill is probed with fresh random tokens (never cached)
-at two lengths, and fitted as ``fixed + per_token * L``.
+goes over the transport KV moves take between the two workers: an object-store fetch (the
+destination fetching bytes made on the source), or a send and its matching receive over the
+collective group run at once (:func:`send_and_receive`, also how a KV transfer runs). Prefill is
+probed with fresh random tokens (never cached) at a spread of lengths, and fitted as
+``fixed + per_token * L``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .costmodel import PREFILL_PROBE_TOKENS, fit_line
-from .worker import WorkerClient
+from .remote import WorkerRef
+
+if TYPE_CHECKING:
+    from .moves import Group
 
 LINK_PROBE_BYTES = 32 * 2**20
 
@@ -29,19 +32,25 @@ def send_and_receive(send: Callable[[], Any], receive: Callable[[], Any]) -> tup
 
 
 def measure_link(
-    src: WorkerClient, dst: WorkerClient, transfer_lock: threading.Lock, bandwidth_cap: float | None,
-    bytes_per_block: int,
+    src: WorkerRef, dst: WorkerRef, group: Group | None, bandwidth_cap: float | None, bytes_per_block: int,
 ) -> tuple[float, float]:
-    """The link's latency (s) and bandwidth (bytes/s) from ``src`` to ``dst``."""
+    """The link's latency (s) and bandwidth (bytes/s) from ``src`` to ``dst``, over the transport a
+    move between them takes."""
+    from .moves import next_tag
+
     big = int(min(LINK_PROBE_BYTES, bandwidth_cap * 0.3)) if bandwidth_cap else LINK_PROBE_BYTES
     big = max(big, bytes_per_block)
+    collective = group is not None and group.joins(src.rank, dst.rank)
 
     def probe(nbytes: int) -> float:
-        with transfer_lock:
-            t0 = time.perf_counter()
-            send_and_receive(lambda: src.call("send_probe", nbytes, dst.rank),
-                             lambda: dst.call("recv_probe", nbytes, src.rank))
-            return time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if collective:
+            tag = next_tag()
+            send_and_receive(lambda: src.invoke("send_probe", nbytes, dst.rank, tag),
+                             lambda: dst.invoke("receive_probe", nbytes, src.rank, tag))
+        else:
+            dst.raw("fetch_probe", src.actor, nbytes)
+        return time.perf_counter() - t0
 
     probe(1)  # connection set-up happens on first use
     small = sorted(probe(1) for _ in range(3))[1]
@@ -49,24 +58,32 @@ def measure_link(
     return small, (big - 1) / max(large - small, 1e-6)
 
 
-def measure_call_overhead(worker: WorkerClient) -> float:
-    """Seconds one control round trip takes (what a transferred handle's resume costs on top)."""
+def measure_call_overhead(worker: WorkerRef) -> float:
+    """Seconds one call round trip takes (what a transferred handle's resume costs on top)."""
+    worker.call("capabilities")
     start = time.perf_counter()
     for _ in range(3):
-        worker.call("ping")
+        worker.call("capabilities")
     return (time.perf_counter() - start) / 3
 
 
-def measure_prefill(workers: Sequence[WorkerClient]) -> tuple[dict[int, float], dict[int, float]]:
-    """Each worker's prefill time as ``fixed + per_token * L``: the fixed and per-token seconds by rank."""
-    fixed: dict[int, float] = {}
-    per_token: dict[int, float] = {}
-    for w in workers:
+def measure_prefill(workers: Sequence[WorkerRef], lengths: Sequence[int] = PREFILL_PROBE_TOKENS
+                    ) -> tuple[dict[int, float], dict[int, float]]:
+    """Each worker's prefill time as ``fixed + per_token * L``: the fixed and per-token seconds by rank.
+    The workers are probed at the same time, as they serve (each on its own device; CPU workers of
+    one machine share its cores then, as they do serving)."""
+
+    def probe(w: WorkerRef) -> tuple[float, float]:
         w.call("probe_prefill", 8, seed=w.rank)  # warm-up
         points = []
-        for i, n in enumerate(PREFILL_PROBE_TOKENS):
+        for i, n in enumerate(lengths):
             t0 = time.perf_counter()
             w.call("probe_prefill", n, seed=1000 * (w.rank + 1) + i + int(time.time()))
             points.append((float(n), time.perf_counter() - t0))
-        fixed[w.rank], per_token[w.rank] = fit_line(points)
+        return fit_line(points)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(workers))) as pool:
+        lines = list(pool.map(probe, workers))
+    fixed = {w.rank: line[0] for w, line in zip(workers, lines, strict=True)}
+    per_token = {w.rank: line[1] for w, line in zip(workers, lines, strict=True)}
     return fixed, per_token

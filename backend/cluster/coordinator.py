@@ -1,28 +1,29 @@
-"""The coordinator of a multi-device server: one worker process per device, one engine interface.
+"""The ingress of a multi-device server: one engine interface over worker actors on Ray.
 
 :class:`Cluster` implements :class:`kvbaton.ops.EngineOps` and the hosted-engine contract
 (:class:`..hosting.HostedEngine`) as :class:`~kvbaton.backend.Engine` does, so ``kvbaton serve
---devices cpu,cpu`` and ``EmbeddedClient(engine=Cluster(...))`` work unchanged. Every worker runs an
-engine of the cluster's one :class:`..config.EngineConfig` (sent as JSON, each on its own device);
-requests carry their tenant to the workers (:class:`..tenants.AgentRef`). The cluster:
+--devices cpu,cpu`` and ``EmbeddedClient(engine=Cluster(...))`` work unchanged. Every worker is a Ray
+actor (:mod:`.worker`) running an engine of the cluster's one :class:`..config.EngineConfig` on its
+own device, placed by a placement group (:mod:`.launch`); requests carry their tenant to the workers
+(:class:`..tenants.AgentRef`). The cluster:
 
 - routes each request (:mod:`.routing`, :mod:`.placement`): to the handle's worker, or the worker
-  with the longest cached prefix, balanced by queue length;
+  with the longest cached prefix, balanced by queue length; the request then goes to that actor
+  directly, and a stream's chunks come from it to the reader directly (:mod:`.remote`);
 - brings a handle to another worker when placement or an explicit :meth:`transfer` asks, by KV
-  transfer over torch.distributed (:mod:`.transfer`) or by recompute from lineage, whichever the
-  calibrated cost model (:mod:`.costmodel`) predicts cheaper; the decision, predicted and actual
-  times go into ``stats().cluster``;
-- survives worker failures: requests in flight on a dead worker are re-run on another one (a
-  stream that already sent text is continued only when its sampling is deterministic), and handles
-  that lived only there are recomputed from their lineage on next use; a hung worker (one that
-  answers no heartbeat for ``heartbeat_timeout`` seconds, :mod:`.heartbeat`) is stopped and counts
-  as dead, so that no request waits on it for longer than that; ``healthy`` reports the cluster
-  degraded while a worker is down.
+  transfer (:mod:`.transfer`: the collective group formed inside the actors, or Ray's object store)
+  or by recompute from lineage, whichever the calibrated cost model (:mod:`.costmodel`) predicts
+  cheaper; transfers run in parallel; the decision, predicted and actual times go into ``stats().cluster``;
+- survives worker failures with Ray: an actor that dies is restarted by Ray and rejoins
+  (:mod:`.liveness`: also a hung actor is killed, so that Ray restarts it); requests in flight on it
+  are run again elsewhere (a stream that already sent text is continued only when its sampling is
+  deterministic, :mod:`.streams`), and handles that lived only there are recomputed from their
+  lineage on next use, or live there again when it comes back with them (persistence: each worker
+  keeps its own journal, and the handle table is rebuilt from the workers' journals at start and at
+  every rejoin); ``healthy`` reports the cluster degraded while a worker is down.
 
-A dead worker is not restarted (the process group cannot take a new member); the cluster goes on
-with the others. Start-up lives in :mod:`.rendezvous`, the measurements for the cost model in
-:mod:`.calibration`, where handles live and which worker runs a request in :mod:`.routing`, a
-handle's move in :mod:`.moves`, streams that outlive their worker in :mod:`.failover`.
+STE hints, registered agents and the tenant partition go to every worker, and again to a worker
+that rejoins. The measurements for the cost model live in :mod:`.calibration`.
 """
 
 from __future__ import annotations
@@ -30,15 +31,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
-import subprocess
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+try:
+    import ray  # noqa: F401 - the backend's one dependency beyond the engine's
+except ImportError as exc:  # pragma: no cover - the cluster and test extras install it
+    raise ImportError("multi-device serving runs its workers on Ray: pip install 'kvbaton[cluster]'") from exc
 from kvbaton.capabilities import KVBATON, Capabilities
 from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, InvalidRequest, ServerError
 from kvbaton.handle import Handle, Segment
@@ -52,16 +54,17 @@ from ..events import EventRing, check_since
 from ..handles import Identity
 from ..hosting import HEALTHY, ConfiguredEngine, check_partition
 from ..tenants import Agent, TenantPartition
+from . import launch
 from .calibration import measure_call_overhead, measure_link, measure_prefill
-from .costmodel import Calibration, CostModel, load_cached, store_cached
-from .failover import failover_stream
-from .heartbeat import DEFAULT_HEARTBEAT_TIMEOUT_S, Heartbeat
-from .moves import Mover
+from .costmodel import PREFILL_PROBE_TOKENS, Calibration, CostModel, load_cached, store_cached
+from .liveness import DEFAULT_TIMEOUT_S, Liveness
+from .moves import Group, Mover
 from .placement import Placer
-from .rendezvous import accept_workers, free_port, is_loopback, start_local_workers
+from .remote import WorkerLost, WorkerRef, answer
 from .routing import Router
 from .stats import cluster_stats
-from .worker import CLUSTER_KEY_ENV, DEFAULT_CLUSTER_KEY, WorkerClient, WorkerLost, cluster_key
+from .streams import recomputing_stream
+from .worker import DIST_BACKEND_ENV, Worker, default_backend
 
 if TYPE_CHECKING:
     from ..cache.persist import Persistence
@@ -69,6 +72,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
+TRANSPORTS = ("auto", "collective", "object-store")
 
 
 @dataclass(frozen=True)
@@ -83,12 +87,15 @@ class ModelInfo:
 
 
 class Cluster(ConfiguredEngine):
-    """Workers on ``devices`` (ranks ``0..len(devices)-1``, this machine) plus, for multi-node,
-    ranks ``len(devices)..world_size-1`` started elsewhere (``kvbaton serve --rank R``) that join
-    through ``master_addr:master_port`` (torch.distributed) and ``master_addr:control_port``.
+    """One worker actor per entry of ``devices`` (``"cpu"``, ``"cuda"``/``"cuda:N"``: a GPU of its own),
+    on this machine (a private Ray instance) or on the Ray cluster at ``ray_address``.
 
     Each worker runs an engine of ``config`` on its own device (``model`` and ``engine_options``, the
-    knobs of :class:`..config.EngineConfig`, change it); persistence needs a single-device server."""
+    knobs of :class:`..config.EngineConfig`, change it). ``transport``: how KV moves between workers
+    (``auto``: the collective group where every worker has a GPU of its own, NCCL, else Ray's object
+    store; ``collective``: a group always, gloo on CPU; ``object-store``). ``placement_strategy``:
+    the placement group's (``PACK`` by default; ``STRICT_SPREAD``: one worker per node).
+    ``heartbeat_timeout``: a worker answering no liveness ping for this long is restarted."""
 
     def __init__(
         self,
@@ -97,10 +104,9 @@ class Cluster(ConfiguredEngine):
         *,
         config: EngineConfig | None = None,
         engine_options: dict[str, Any] | None = None,
-        world_size: int | None = None,
-        master_addr: str | None = None,
-        master_port: int | None = None,
-        control_port: int | None = None,
+        ray_address: str | None = None,
+        transport: str = "auto",
+        placement_strategy: str = "PACK",
         bandwidth_cap: float | None = None,
         calibrate: bool = True,
         calibration_cache: str | os.PathLike[str] | None = "default",
@@ -108,55 +114,50 @@ class Cluster(ConfiguredEngine):
         worker_log_level: str = "warning",
         worker_threads: int | None = None,
         startup_timeout: float = STARTUP_TIMEOUT_S,
-        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        heartbeat_timeout: float = DEFAULT_TIMEOUT_S,
+        max_restarts: int = launch.DEFAULT_MAX_RESTARTS,
+        gpu_share: float = 1.0,
     ) -> None:
         overrides = {"model": model, **(engine_options or {})} if model is not None else dict(engine_options or {})
         self.config = EngineConfig.build(config, **overrides)
         if not heartbeat_timeout > 0:
             raise InvalidRequest(f"the heartbeat timeout must be > 0 seconds, got {heartbeat_timeout}",
                                  param="heartbeat_timeout")
-        if self.config.persist:
-            raise InvalidRequest("persistence (--persist) needs a single-device server: a cluster's handles live "
-                                 "in its workers", param="persist")
+        if transport not in TRANSPORTS:
+            raise InvalidRequest(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}",
+                                 param="transport")
         devices = list(devices)
         if not devices:
-            raise InvalidRequest("a cluster needs at least one local device")
-        world = world_size if world_size is not None else len(devices)
-        if world < len(devices):
-            raise InvalidRequest(f"world size {world} is smaller than the {len(devices)} local devices")
-        addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        if not is_loopback(addr) and os.environ.get(CLUSTER_KEY_ENV, DEFAULT_CLUSTER_KEY) == DEFAULT_CLUSTER_KEY:
-            raise InvalidRequest(f"a multi-node cluster needs a shared secret in ${CLUSTER_KEY_ENV} on every node")
-        port = master_port or int(os.environ.get("MASTER_PORT") or 0) or free_port()
-        ctl = control_port or int(os.environ.get("KVBATON_CONTROL_PORT") or 0) or (port + 1 if world > len(devices) else free_port())
+            raise InvalidRequest("a cluster needs at least one device")
         self.devices = devices
-        self.world_size = world
-        self.master = (addr, port)
-        self.control = (addr, ctl)
         self.bandwidth_cap = bandwidth_cap
         self.costs = CostModel()
         # The workers' events, merged here as they are read (each tagged with its worker's rank).
         self.event_ring = EventRing()
         self._event_cursors: dict[int, int] = {}
         self._events_lock = threading.Lock()
-        self._transfer_lock = threading.Lock()
-        self._procs: list[subprocess.Popen[bytes]] = []
-        self.workers: list[WorkerClient] = []  # by rank, once they joined
-        self._heartbeat = Heartbeat(self.workers, heartbeat_timeout, self._worker_hung)
+        # What every worker must have, again after a restart: the tenant partition, agents, hints.
+        self._replay_lock = threading.Lock()
+        self._partition = TenantPartition()
+        self._agents: dict[str, tuple[Any, bool]] = {}
+        self._hints: dict[str, float] | None = None
+        self.workers: list[WorkerRef] = []  # by rank
         self._router = Router(Placer(slack=balance_slack), self.workers)
-        # Single node: a fresh secret per cluster, handed to the workers we start (nobody else can
-        # pose as a worker or the coordinator). Multi-node: the shared $KVBATON_CLUSTER_KEY.
-        local = world == len(devices) and CLUSTER_KEY_ENV not in os.environ
-        self._key = secrets.token_hex(16).encode() if local else cluster_key()
-        self._listener = Listener(self.control, authkey=self._key)
+        self._liveness = Liveness(self.workers, heartbeat_timeout, self._rejoin)
+        self._pg = None
+        self._started_ray = launch.connect(ray_address, devices)
         try:
-            self._procs = start_local_workers(
-                devices, world, self.master, self.control, self._key, config=self.config,
-                log_level=worker_log_level, threads=worker_threads, bandwidth_cap=bandwidth_cap,
-            )
-            self.workers.extend(accept_workers(self._listener, self._procs, world, startup_timeout,
-                                               self._router.worker_lost))
-            self._heartbeat.start()
+            self._pg = launch.reserve(devices, placement_strategy, startup_timeout, gpu_share)
+            args = (self.config.to_json(), bandwidth_cap, worker_log_level, str(cache_dir()))
+            for rank, device in enumerate(devices):
+                actor = launch.start_worker(Worker, self._pg, rank, device, args=(rank, device, *args),
+                                            threads=worker_threads, max_restarts=max_restarts, gpu_share=gpu_share)
+                self.workers.append(WorkerRef(rank, device, actor, self._router.worker_lost))
+            import ray
+
+            infos = ray.get([w.actor.info.remote() for w in self.workers], timeout=startup_timeout)
+            for w, info in zip(self.workers, infos, strict=True):
+                w.joined(info)
         except BaseException:
             self.close()
             raise
@@ -177,14 +178,84 @@ class Cluster(ConfiguredEngine):
         self._router.table.identity = Identity(self.loaded.name, self.loaded.fingerprint, where="this server")
         self.block_size: int = first["block_size"]
         self.bytes_per_block: int = first["bytes_per_block"]
-        self._router.mover = Mover(self.costs, self._transfer_lock, self.block_size, self.bytes_per_block)
+        self._router.mover = Mover(self.costs, self.block_size, self.bytes_per_block)
+        for w in self.workers:  # persistence: the handles the workers kept from an earlier run
+            self._release_stale(w, self._router.rejoined(w.rank, w.call("held")))
+        try:
+            self._router.mover.group = self._form_group(transport)
+        except BaseException:
+            self.close()
+            raise
         path = cache_dir() / "calibration.json" if calibration_cache == "default" else (
             Path(calibration_cache) if calibration_cache else None
         )
         self._calibration_path = path
         if calibrate and len(self.workers) > 1:
             self.calibrate()
-        log.info("cluster ready: %d workers on %s", len(self.workers), ", ".join(w.device for w in self.workers))
+        self._liveness.start()
+        log.info("cluster ready: %d workers on %s (nodes %s, KV transport %s)", len(self.workers),
+                 ", ".join(w.device for w in self.workers), sorted({w.info["node_ip"] for w in self.workers}),
+                 self.transport)
+
+    @property
+    def transport(self) -> str:
+        group = self._router.mover.group if self._router.mover is not None else None
+        return f"collective ({group.backend})" if group is not None else "object store"
+
+    def _form_group(self, transport: str) -> Group | None:
+        """The torch.distributed group inside the actors (as vLLM's Ray executor forms its own), when
+        ``transport`` asks for one (``auto``: NCCL between workers with a GPU each)."""
+        backend = os.environ.get(DIST_BACKEND_ENV) or default_backend(self.devices)
+        if len(self.workers) < 2 or transport == "object-store" or (transport == "auto" and backend != "nccl"):
+            return None
+        import ray
+
+        address = ray.get(self.workers[0].actor.group_address.remote())
+        replies = ray.get([w.actor.join_group.remote(backend, address, w.rank, len(self.workers))
+                           for w in self.workers])
+        for reply in replies:
+            answer(reply)
+        return Group(backend, {w.rank for w in self.workers})
+
+    def _rejoin(self, worker: WorkerRef) -> None:
+        """Ray restarted ``worker``: it gets what every worker has (partition, agents, hints, link
+        pacing), leaves the collective group (which takes no new member), and serves again with the
+        handles it kept (persistence)."""
+        import ray
+
+        from .remote import LOST_ERRORS
+
+        try:
+            info = ray.get(worker.actor.info.remote(), timeout=60)
+        except (ray.exceptions.GetTimeoutError, *LOST_ERRORS):
+            return  # still restarting: the next answer to a ping tries again
+        with self._replay_lock:
+            reply = worker.actor.call
+            answer(ray.get(reply.remote("partition_tenants", (self._partition,))))
+            for name, (prompt, prefill) in self._agents.items():
+                answer(ray.get(reply.remote("register_agent", (name, prompt), {"prefill": prefill})))
+            if self._hints is not None:
+                answer(ray.get(reply.remote("hints", (self._hints,))))
+            if self.bandwidth_cap:
+                answer(ray.get(reply.remote("set_bandwidth_cap", (self.bandwidth_cap,))))
+            held = answer(ray.get(reply.remote("held")))
+        group = self._router.mover.group if self._router.mover is not None else None
+        if group is not None:
+            group.members.discard(worker.rank)
+        worker.restarts += 1
+        with self._events_lock:  # a new engine numbers its events from the start again
+            self._event_cursors.pop(worker.rank, None)
+        worker.joined(info)
+        self._release_stale(worker, self._router.rejoined(worker.rank, held))
+        log.warning("worker %d (%s) rejoined (pid %s, node %s) with %d handles", worker.rank, worker.device,
+                    info["pid"], info["node_ip"], len(held))
+
+    def _release_stale(self, worker: WorkerRef, ids: list[str]) -> None:
+        if ids:
+            try:
+                worker.call("release", ids)
+            except (WorkerLost, HandleNotFound, HandleReleased):
+                pass
 
     @property
     def max_context(self) -> int | None:
@@ -202,14 +273,6 @@ class Cluster(ConfiguredEngine):
             return True, f"degraded: {len(self.workers) - len(down)} of {len(self.workers)} workers alive; {why}"
         return True, HEALTHY
 
-    def _worker_hung(self, worker: WorkerClient, silent_s: float) -> None:
-        """A worker answered no heartbeat for ``silent_s`` seconds (:mod:`.heartbeat`): it is down from
-        now on (its requests fail over, its handles are recomputed from lineage elsewhere), and a local
-        one is killed (the process group cannot take it back, and a hung process holds its memory)."""
-        worker.hung(f"answered no heartbeat for {silent_s:.0f} s and was stopped")
-        if worker.rank < len(self._procs):
-            self._procs[worker.rank].kill()
-
     def capabilities(self) -> Capabilities:
         """Every worker runs kvbaton's own engine."""
         return KVBATON
@@ -225,22 +288,28 @@ class Cluster(ConfiguredEngine):
     def partition_tenants(self, partition: TenantPartition) -> None:
         """Keep tenants apart on every worker (see :meth:`Engine.partition_tenants`)."""
         check_partition(self, partition, self.partitionable)
-        self._broadcast("partition_tenants", partition)
+        with self._replay_lock:
+            self._partition = partition
+            self._broadcast("partition_tenants", partition)
 
     @property
     def persistence(self) -> Persistence | None:
-        """None: a cluster's handles live in its workers, and do not survive a restart."""
+        """None: the server keeps no journal of a cluster's tenants. With ``persist`` each worker keeps its
+        own (its handles survive a restart of its actor, and of the cluster: the handle table is rebuilt
+        from the workers), but which tenant owns a handle does not survive a restart of the ingress."""
         return None
 
     # -- calibration ----------------------------------------------------------------------------
     def _calibration_key(self) -> str:
         return json.dumps({
             "model": self.loaded.fingerprint, "devices": [w.device for w in self.workers],
-            "hosts": [w.host for w in self.workers], "block_size": self.block_size, "cap": self.bandwidth_cap,
+            "hosts": [w.info.get("node_ip") for w in self.workers], "block_size": self.block_size,
+            "cap": self.bandwidth_cap, "transport": self.transport,
         }, sort_keys=True)
 
-    def calibrate(self, force: bool = False) -> Calibration:
-        """Measure (or load from the cache) link latency/bandwidth and each worker's prefill speed."""
+    def calibrate(self, force: bool = False, prefill_tokens: Sequence[int] = PREFILL_PROBE_TOKENS) -> Calibration:
+        """Measure (or load from the cache) link latency/bandwidth and each worker's prefill speed (probed
+        at ``prefill_tokens`` fresh tokens)."""
         key = self._calibration_key()
         force = force or bool(os.environ.get("KVBATON_RECALIBRATE"))
         cached = None if force else load_cached(self._calibration_path, key)
@@ -249,7 +318,7 @@ class Cluster(ConfiguredEngine):
             return cached
         latency, bandwidth = self._measure_link()
         overhead = measure_call_overhead(self.workers[0])
-        fixed, per_token = measure_prefill(self._router.live_workers())
+        fixed, per_token = measure_prefill(self._router.live_workers(), prefill_tokens)
         cal = Calibration(latency, bandwidth, overhead, fixed, per_token)
         self.costs.calibration = cal
         store_cached(self._calibration_path, key, cal)
@@ -259,7 +328,8 @@ class Cluster(ConfiguredEngine):
 
     def _measure_link(self) -> tuple[float, float]:
         live = self._router.live_workers()
-        return measure_link(live[0], live[1], self._transfer_lock, self.bandwidth_cap, self.bytes_per_block)
+        group = self._router.mover.group if self._router.mover is not None else None
+        return measure_link(live[0], live[1], group, self.bandwidth_cap, self.bytes_per_block)
 
     def set_bandwidth_cap(self, cap: float | None) -> Calibration:
         """Pace KV sends at ``cap`` bytes/s (None: unpaced) and re-measure the link (tests, benchmarks)."""
@@ -282,7 +352,7 @@ class Cluster(ConfiguredEngine):
     def materialize(self, context: Any, *, agent: Agent | None = None) -> Handle:
         tokens = self._prompt_tokens(context)
 
-        def run(w: WorkerClient) -> Handle:
+        def run(w: WorkerRef) -> Handle:
             handle: Handle = w.call("materialize", tokens, agent=agent)
             self._router.record(w.rank, [handle])
             return handle
@@ -290,7 +360,7 @@ class Cluster(ConfiguredEngine):
         return self._router.anywhere(tokens if isinstance(tokens, list) else None, run)
 
     def extend(self, handle: Handle | str, context: Any, *, agent: Agent | None = None) -> Handle:
-        def run(w: WorkerClient, hid: str) -> Handle:
+        def run(w: WorkerRef, hid: str) -> Handle:
             new: Handle = w.call("extend", hid, context, agent=agent)
             self._router.record(w.rank, [new])
             return new
@@ -298,7 +368,7 @@ class Cluster(ConfiguredEngine):
         return self._router.on_handle(handle, run)
 
     def fork(self, handle: Handle | str, k: int = 2) -> list[Handle]:
-        def run(w: WorkerClient, hid: str) -> list[Handle]:
+        def run(w: WorkerRef, hid: str) -> list[Handle]:
             children: list[Handle] = w.call("fork", hid, k)
             self._router.record(w.rank, children)
             return children
@@ -320,7 +390,7 @@ class Cluster(ConfiguredEngine):
         if isinstance(prefix, Handle):
             refs.append(prefix)
 
-        def run(w: WorkerClient) -> Composition:
+        def run(w: WorkerRef) -> Composition:
             out: Composition = w.call("compose", prefix, list(segments), suffix, agent=agent, mode=mode,
                                       correction=correction)
             self._router.record(w.rank, [out.handle])
@@ -333,7 +403,7 @@ class Cluster(ConfiguredEngine):
         correction = _plain(correction)
         refs = [p if isinstance(p, Handle) else p.handle for p in parts]
 
-        def run(w: WorkerClient) -> Composition:
+        def run(w: WorkerRef) -> Composition:
             out: Composition = w.call("merge", list(parts), agent=agent, mode=mode, correction=correction)
             self._router.record(w.rank, [out.handle])
             return out
@@ -402,13 +472,13 @@ class Cluster(ConfiguredEngine):
         ))))
 
     def _stream(
-        self, params: SamplingParams, start: Callable[[], tuple[WorkerClient, Iterator[StreamChunk | Result]]]
+        self, params: SamplingParams, start: Callable[[], tuple[WorkerRef, Iterator[StreamChunk | Result]]]
     ) -> TokenStream:
-        def retried(worker: WorkerClient) -> None:
+        def retried(worker: WorkerRef) -> None:
             self._router.retries += 1
             log.warning("worker %d died during a stream; re-running it elsewhere", worker.rank)
 
-        return failover_stream(params, start, lambda w, h: self._router.record(w.rank, [h]), retried)
+        return recomputing_stream(params, start, lambda w, h: self._router.record(w.rank, [h]), retried)
 
     def release(self, handles: Handle | str | Iterable[Handle | str]) -> None:
         for rank, ids in self._router.release(handles).items():  # all or nothing
@@ -449,16 +519,24 @@ class Cluster(ConfiguredEngine):
         return list(self._any("chat_tokens", messages, tools=tools, add_generation_prompt=add_generation_prompt))
 
     def register_agent(self, name: str, fixed_prompt: Any, *, prefill: bool = False) -> AgentInfo:
-        info: AgentInfo = self._broadcast("register_agent", name, fixed_prompt, prefill=prefill)
+        with self._replay_lock:
+            info: AgentInfo = self._broadcast("register_agent", name, fixed_prompt, prefill=prefill)
+            self._agents[str(name)] = (fixed_prompt, prefill)
         return info
 
     def unregister_agent(self, name: str) -> bool:
-        return any(self._gather("unregister_agent", name))
+        with self._replay_lock:
+            self._agents.pop(str(name), None)
+            return any(self._gather("unregister_agent", name))
 
     def hints(
         self, steps: Mapping[str, float] | Any, *, running: Iterable[str] = (), finished: Iterable[str] = ()
     ) -> dict[str, float]:
-        result: dict[str, float] = self._broadcast("hints", ste_map(steps, running, finished))
+        # Every worker gets every hint: each evicts and prefetches its own blocks by the same workflow.
+        steps = ste_map(steps, running, finished)
+        with self._replay_lock:
+            result: dict[str, float] = self._broadcast("hints", steps)
+            self._hints = steps
         return result
 
     def flush_cache(self) -> None:
@@ -500,23 +578,24 @@ class Cluster(ConfiguredEngine):
         return out.model_copy(update={"dropped": out.dropped + dropped})
 
     def kill_worker(self, rank: int) -> None:
-        """Kill a local worker process outright (SIGKILL), as a crash would: for fault tests."""
-        self._procs[rank].kill()
+        """Kill a worker's process outright (SIGKILL), as a crash would (Ray restarts it): for fault tests."""
+        import signal
+
+        pid = self.workers[rank].pid
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
 
     def close(self) -> None:
-        self._heartbeat.close()
-        for w in self.workers:
-            w.close()
-        for proc in self._procs:
+        self._liveness.close()
+        import ray
+
+        if ray.is_initialized():  # a clean exit: the engines save what persistence keeps
+            closing = [w.actor.call.remote("close") for w in self.workers if w.alive]
             try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+                ray.wait(closing, num_returns=len(closing), timeout=60)
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+        launch.stop([w.actor for w in self.workers], self._pg, self._started_ray)
 
     def __enter__(self) -> Cluster:  # noqa: PYI034
         return self

@@ -5,14 +5,18 @@ For a handle of ``L`` tokens the calibrated :class:`~.costmodel.CostModel` predi
 the tokens its prefix cache does not hold) and the cheaper runs; every decision is recorded with
 its predictions and the time it took. Invariants: after a move the handle lives on the destination
 only (same id, one more ``transfer`` lineage step); a transfer that fails falls back to recompute,
-since the lineage always spells the tokens; one transfer at a time uses the link (the transfer lock).
+since the lineage always spells the tokens. Transfers run in parallel: over the object store each is
+its own fetch; over a collective group each has its own tag (:mod:`.transfer`), and only NCCL, which
+ignores tags, keeps one transfer per ordered pair of workers at a time.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
 from kvbaton.errors import KvbatonError
 from kvbaton.handle import Handle, LineageStep, Op, Placement
@@ -20,20 +24,66 @@ from kvbaton.types import PlacementDecision
 
 from .calibration import send_and_receive
 from .costmodel import CostModel
-from .worker import WorkerClient, WorkerLost
+from .remote import WorkerLost, WorkerRef
+
+_tags = itertools.count(1)
+
+
+def next_tag() -> int:
+    """A tag of its own for one exchange over the collective group."""
+    return next(_tags)
+
+
+@dataclass
+class Group:
+    """The collective group formed inside the workers: its backend and the ranks still in it (a worker
+    Ray restarted has left it: torch.distributed takes no new member, so its moves use the object store)."""
+
+    backend: str
+    members: set[int]
+    _pairs: dict[tuple[int, int], threading.Lock] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def joins(self, src: int, dst: int) -> bool:
+        return src in self.members and dst in self.members
+
+    def pair(self, src: int, dst: int) -> threading.Lock | None:
+        """NCCL: the lock of the ordered pair (it ignores tags); gloo: none needed."""
+        if self.backend != "nccl":
+            return None
+        with self._lock:
+            return self._pairs.setdefault((src, dst), threading.Lock())
+
+
+def transfer_kv(src: WorkerRef, dst: WorkerRef, moved: Handle, group: Group | None) -> Handle:
+    """Move ``moved``'s blocks from ``src`` to ``dst`` (collective group when both are in it, else the
+    object store); the handle as ``dst`` holds it. ``src`` still holds its copy."""
+    if group is not None and group.joins(src.rank, dst.rank):
+        tag = next_tag()
+        lock = group.pair(src.rank, dst.rank)
+        if lock is not None:
+            lock.acquire()
+        try:
+            _, new = send_and_receive(lambda: src.invoke("send_handle", moved.id, dst.rank, tag),
+                                      lambda: dst.invoke("receive_handle", moved, src.rank, tag))
+        finally:
+            if lock is not None:
+                lock.release()
+        return new  # type: ignore[no-any-return]
+    return dst.invoke("fetch_handle", src.actor, moved)  # type: ignore[no-any-return]
 
 log = logging.getLogger(__name__)
 
 
 class Mover:
-    def __init__(self, costs: CostModel, transfer_lock: threading.Lock, block_size: int, bytes_per_block: int) -> None:
+    def __init__(self, costs: CostModel, block_size: int, bytes_per_block: int) -> None:
         self.costs = costs
-        self._transfer_lock = transfer_lock
+        self.group: Group | None = None
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
 
     def move(
-        self, meta: Handle, src: WorkerClient | None, dst: WorkerClient, reason: str, method: str = "auto"
+        self, meta: Handle, src: WorkerRef | None, dst: WorkerRef, reason: str, method: str = "auto"
     ) -> Handle:
         """Bring the handle ``meta`` from ``src`` (None or dead: lost) to ``dst`` by transfer or recompute;
         the handle as ``dst`` now holds it. ``method`` forces one ("transfer" / "recompute") instead of
@@ -58,11 +108,11 @@ class Mover:
         if choice == "transfer":
             assert src is not None
             try:
-                with self._transfer_lock:
-                    _, new = send_and_receive(
-                        lambda: src.call("send_handle", hid, dst.rank),
-                        lambda: dst.call("recv_handle", moved, src.rank),
-                    )
+                new = transfer_kv(src, dst, moved, self.group)
+                try:  # a move: the handle lives on dst only from now on
+                    src.call("release", [hid])
+                except (KvbatonError, WorkerLost):
+                    pass
             except WorkerLost:
                 if not dst.alive:
                     raise
@@ -97,7 +147,7 @@ class Mover:
         ))
         return new
 
-    def _cached_on(self, worker: WorkerClient, meta: Handle) -> int:
+    def _cached_on(self, worker: WorkerRef, meta: Handle) -> int:
         """Tokens of ``meta`` the worker's prefix cache holds (0 without a cache): a recompute there skips them."""
         if not worker.info.get("prefix_cache", True) or meta.num_tokens < self.block_size:
             return 0

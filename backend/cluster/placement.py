@@ -7,16 +7,20 @@
   with its tokens (its prefix cache likely holds them), unless that worker is overloaded likewise;
   with no useful prefix anywhere, to the least loaded worker.
 
-The coordinator remembers a bounded number of recent token sequences per worker; this is a hint
+A worker's load is its queue plus the requests placed on it that have not started yet
+(:meth:`Placer.placing`), so that requests placed at the same moment see each other.
+
+The ingress remembers a bounded number of recent token sequences per worker; this is a hint
 about the workers' radix caches, never a correctness input (the engine checks tokens itself).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol, TypeVar
 
 from kvbaton.handle import common_prefix_length
 
@@ -31,12 +35,33 @@ class Loaded(Protocol):
     def queue(self) -> int: ...
 
 
+L = TypeVar("L", bound=Loaded)
+
+
 class Placer:
     def __init__(self, slack: int = 1, min_prefix_tokens: int = 16) -> None:
         self.slack = slack
         self.min_prefix_tokens = min_prefix_tokens
         self._lock = threading.Lock()
         self._recent: dict[int, deque[tuple[int, ...]]] = {}
+        self._placing = threading.Lock()  # one placement decision at a time (each takes microseconds)
+        self._starting: dict[int, int] = {}  # requests placed on a worker, not started there yet
+
+    def load(self, w: Loaded) -> int:
+        return w.queue + self._starting.get(w.rank, 0)
+
+    @contextlib.contextmanager
+    def placing(self, choose: Callable[[], L]) -> Iterator[L]:
+        """The worker ``choose()`` picks, counted in its load until the request has started there
+        (the block's end); two requests placed at once each see the other."""
+        with self._placing:
+            worker = choose()
+            self._starting[worker.rank] = self._starting.get(worker.rank, 0) + 1
+        try:
+            yield worker
+        finally:
+            with self._placing:
+                self._starting[worker.rank] -= 1
 
     def remember(self, rank: int, tokens: Sequence[int]) -> None:
         if not tokens:
@@ -52,11 +77,11 @@ class Placer:
         live = [w for w in workers if w.alive and w.rank != exclude] or [w for w in workers if w.alive]
         if not live:
             raise RuntimeError("no live worker")
-        return min(live, key=lambda w: (w.queue, w.rank))
+        return min(live, key=lambda w: (self.load(w), w.rank))
 
     def overloaded(self, worker: Loaded, workers: Sequence[Loaded]) -> bool:
         best = self.least_loaded(workers)
-        return worker.queue > best.queue + self.slack
+        return self.load(worker) > self.load(best) + self.slack
 
     def for_handle(self, holder: Loaded | None, workers: Sequence[Loaded]) -> Loaded:
         """Where a request on a handle held by ``holder`` (None: lost) should run."""

@@ -27,14 +27,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvbaton.errors import InvalidRequest, ServerError
+from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest, ServerError
 from kvbaton.handle import Handle
 from kvbaton.ops import HandleLike
 
 from ..handles import HandleTable
 from .moves import Mover
 from .placement import Placer
-from .worker import WorkerClient, WorkerLost
+from .remote import WorkerLost, WorkerRef
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Router:
     docstring). ``workers`` is the cluster's own list, by rank; ``mover`` is set once the workers
     have said their block geometry."""
 
-    def __init__(self, placer: Placer, workers: list[WorkerClient]) -> None:
+    def __init__(self, placer: Placer, workers: list[WorkerRef]) -> None:
         self.placer = placer
         self.workers = workers
         self.table: HandleTable[Placed] = HandleTable()  # its identity is known once the workers joined
@@ -66,13 +66,13 @@ class Router:
         self.retries = 0  # requests re-run because a worker died under them
 
     # -- workers --------------------------------------------------------------------------------
-    def live_workers(self) -> list[WorkerClient]:
+    def live_workers(self) -> list[WorkerRef]:
         live = [w for w in self.workers if w.alive]
         if not live:
             raise ServerError("every worker is down")
         return live
 
-    def worker(self, device: int | str) -> WorkerClient:
+    def worker(self, device: int | str) -> WorkerRef:
         """The live worker a rank (or ``worker:R``) or a device name unique among the workers names."""
         if isinstance(device, bool):
             raise InvalidRequest(f"invalid device {device!r}")
@@ -94,7 +94,7 @@ class Router:
             raise InvalidRequest(f"worker {worker.rank} ({worker.device}) is down")
         return worker
 
-    def worker_lost(self, worker: WorkerClient) -> None:
+    def worker_lost(self, worker: WorkerRef) -> None:
         """Handles that lived only on ``worker`` are recomputed from their lineage on next use."""
         with self.lock:
             lost = [placed for placed in self.table.states() if placed.rank == worker.rank]
@@ -102,6 +102,27 @@ class Router:
                 placed.rank = None
         self.placer.forget_worker(worker.rank)
         log.error("worker %d lost: %d handles will be recomputed from lineage on next use", worker.rank, len(lost))
+
+    def rejoined(self, rank: int, held: Iterable[Handle]) -> list[str]:
+        """Worker ``rank`` came back (Ray restarted it) holding ``held`` (its journal's handles, with
+        persistence): those nobody has brought elsewhere meanwhile live there again, and unknown ones
+        (an ingress that restarted) join the table; the ids it should release (moved or released since)."""
+        stale = []
+        with self.lock:
+            for h in held:
+                placed = self.table.find(h.id)
+                if placed is None:
+                    try:
+                        self.table.get(h.id)
+                    except HandleReleased:  # released while the worker was down: not to come back
+                        stale.append(h.id)
+                    except HandleNotFound:
+                        self.table.add(h.id, Placed(h, rank))
+                elif placed.rank is None:
+                    placed.rank = rank
+                elif placed.rank != rank:
+                    stale.append(h.id)
+        return stale
 
     # -- handles --------------------------------------------------------------------------------
     def hid(self, handle: HandleLike) -> str:
@@ -141,7 +162,7 @@ class Router:
         return held
 
     # -- where a request runs ---------------------------------------------------------------------
-    def on_handle(self, handle: HandleLike, start: Callable[[WorkerClient, str], T]) -> T:
+    def on_handle(self, handle: HandleLike, start: Callable[[WorkerRef, str], T]) -> T:
         """Run ``start`` on the worker that should serve a request on ``handle`` (moving or
         recomputing it there first when placement says so), retrying when a worker dies."""
         hid = self.hid(handle)
@@ -151,29 +172,29 @@ class Router:
                 with self.lock:
                     rank = placed.rank
                 holder = self.workers[rank] if rank is not None else None
-                target = self.placer.for_handle(holder, self.workers)
                 try:
-                    if target is not holder:
-                        self.move(hid, holder, target, "lost" if holder is None or not holder.alive else "balance")
-                    return start(target, hid)
+                    with self.placer.placing(lambda: self.placer.for_handle(holder, self.workers)) as target:
+                        if target is not holder:
+                            self.move(hid, holder, target, "lost" if holder is None or not holder.alive else "balance")
+                        return start(target, hid)
                 except WorkerLost:
                     self.retries += 1
                     continue
         raise ServerError("no worker could serve the request")
 
-    def anywhere(self, tokens: Sequence[int] | None, start: Callable[[WorkerClient], T]) -> T:
+    def anywhere(self, tokens: Sequence[int] | None, start: Callable[[WorkerRef], T]) -> T:
         """Run ``start`` on the worker placement picks for a prompt of ``tokens`` (None: no prompt)."""
         if not any(w.info.get("prefix_cache", True) for w in self.workers):
             tokens = None  # no prefix cache anywhere: locality of prompts means nothing
         for _ in range(len(self.workers) + 1):
-            worker = self.placer.for_tokens(tokens, self.live_workers())
             try:
-                return start(worker)
+                with self.placer.placing(lambda: self.placer.for_tokens(tokens, self.live_workers())) as worker:
+                    return start(worker)
             except WorkerLost:
                 self.retries += 1
         raise ServerError("no worker could serve the request")
 
-    def on_handles(self, handles: Sequence[HandleLike], start: Callable[[WorkerClient], T]) -> T:
+    def on_handles(self, handles: Sequence[HandleLike], start: Callable[[WorkerRef], T]) -> T:
         """Run ``start`` on one worker holding every handle in ``handles``: the one already holding
         the most tokens; the others are brought there first (transfer or recompute, as the cost model says)."""
         hids = sorted({self.hid(h) for h in handles})
@@ -226,7 +247,7 @@ class Router:
                         raise InvalidRequest(f"worker {dst.rank} ({dst.device}) went down") from None
         raise ServerError("the transfer could not be completed")
 
-    def move(self, hid: str, src: WorkerClient | None, dst: WorkerClient, reason: str, method: str = "auto") -> Handle:
+    def move(self, hid: str, src: WorkerRef | None, dst: WorkerRef, reason: str, method: str = "auto") -> Handle:
         """Bring ``hid`` to ``dst`` (handle lock held), as :meth:`.moves.Mover.move` does; record where it is."""
         assert self.mover is not None, "the workers have not joined yet"
         new = self.mover.move(self.known(hid).meta, src, dst, reason, method)

@@ -199,7 +199,7 @@ def serve(args: ServerArgs | None = None, *, config: EngineConfig | None = None,
     (a taken port fails here, at once), and only then does the model load: a bad option or address
     never costs a model load (``InvalidRequest``).
 
-    With ``cluster_options`` (``devices``, ``world_size``...: see :class:`kvbaton.backend.cluster.Cluster`), one
+    With ``cluster_options`` (``devices``, ``ray_address``...: see :class:`kvbaton.backend.cluster.Cluster`), one
     worker process per device runs an engine of ``config`` behind this server instead of an in-process engine."""
     from ..engine import Engine
 

@@ -104,14 +104,11 @@ class ServerArgs(BaseModel):
 
     # -- multi-device ------------------------------------------------------------------------------
     devices: Annotated[str | None, _opt(
-        MULTI, "one worker process per listed device, e.g. cuda:0,cuda:1 (or cpu,cpu); KV moves between them over "
-        "torch.distributed", metavar="DEV,DEV,...")] = None
-    world_size: Annotated[int | None, Field(ge=1), _opt(
-        MULTI, "multi-node: total workers across all nodes (torch.distributed rendezvous at "
-        "$MASTER_ADDR:$MASTER_PORT)")] = None
-    rank: Annotated[int, Field(ge=0), _opt(
-        MULTI, "multi-node: this process's rank. 0 serves HTTP and runs workers 0..len(devices)-1; a rank R > 0 runs "
-        "one worker on --device and joins rank 0 (default %(default)s)")] = 0
+        MULTI, "one worker (a Ray actor) per listed device, e.g. cuda:0,cuda:1 (or cpu,cpu); KV moves between them "
+        "over NCCL (a GPU each) or Ray's object store", metavar="DEV,DEV,...")] = None
+    ray_address: Annotated[str | None, _opt(
+        MULTI, "run the --devices workers on this Ray cluster (auto, HOST:6379 or ray://HOST:10001; "
+        "docs/multidevice.md) instead of a private Ray instance on this machine", metavar="ADDRESS")] = None
     balance_slack: Annotated[int, Field(ge=0), _opt(
         MULTI, "move a request off its handle's worker when that worker's queue is longer than the shortest by more "
         "than this (default %(default)s)")] = 1
@@ -119,8 +116,8 @@ class ServerArgs(BaseModel):
         MULTI, "pace KV transfers between workers (experiments: emulate a slower interconnect)",
         metavar="BYTES_PER_S")] = None
     heartbeat_timeout: Annotated[float, Field(gt=0), _opt(
-        MULTI, "a worker that answers no heartbeat for this long is hung: it is stopped, /health reports the cluster "
-        "degraded, and its requests fail over to the other workers (default %(default)g)",
+        MULTI, "a worker that answers no liveness ping for this long is hung: Ray restarts it, /health reports the "
+        "cluster degraded meanwhile, and its requests run on the other workers (default %(default)g)",
         metavar="SECONDS")] = conf.DEFAULT_HEARTBEAT_TIMEOUT_S
 
     # -- cross-prefix reuse ---------------------------------------------------------------------------
@@ -246,7 +243,7 @@ class ServerArgs(BaseModel):
         return {name: value for name, value in self.model_dump().items() if name not in PROCESS_FIELDS}
 
 
-PROCESS_FIELDS = frozenset({"host", "port", "engine", "sglang_args", "devices", "world_size", "rank", "balance_slack",
+PROCESS_FIELDS = frozenset({"host", "port", "engine", "sglang_args", "devices", "ray_address", "balance_slack",
                             "bandwidth_cap", "heartbeat_timeout", "log_level", "token"})
 """Options of the serving process, not of the app (``create_app`` takes ``token`` on its own)."""
 

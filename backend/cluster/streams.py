@@ -1,28 +1,32 @@
-"""Streams that survive their worker: a cluster's generation re-run elsewhere when its worker dies.
+"""Streams that survive their worker: a generation recomputed on another worker when its actor dies.
 
-Chunks already delivered are skipped in the re-run, which gives the same text only for
-deterministic sampling (greedy or seeded); a non-deterministic stream that already produced text
-fails with :class:`ServerError` instead of continuing with different text. Invariant: the stream
-on the worker is closed whatever way the consumer leaves (done, error, abandoned).
+The chunks come from the worker's Ray streaming generator straight to the reader (:mod:`.remote`).
+When the actor dies mid-stream, the request is started again elsewhere (its handle recomputed from
+lineage there, :mod:`.routing`) and the chunks already delivered are skipped, which gives the same
+text only for deterministic sampling (greedy or seeded); a non-deterministic stream that already
+produced text ends with the typed :class:`ServerUnavailable` (503: retry) instead of continuing with
+different text. Nothing acknowledged is lost: a handle exists for the client only once the result
+carrying it arrived. Invariant: the stream on the worker is closed whatever way the consumer leaves
+(done, error, abandoned).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
 
-from kvbaton.errors import ServerError
+from kvbaton.errors import ServerUnavailable
 from kvbaton.handle import Handle
 from kvbaton.stream import TokenStream
 from kvbaton.types import Result, SamplingParams, StreamChunk
 
-from .worker import WorkerClient, WorkerLost
+from .remote import WorkerLost, WorkerRef
 
-Start = Callable[[], tuple[WorkerClient, Iterator[StreamChunk | Result]]]
+Start = Callable[[], tuple[WorkerRef, Iterator[StreamChunk | Result]]]
 
 
-def failover_stream(
-    params: SamplingParams, start: Start, finished: Callable[[WorkerClient, Handle], None],
-    retried: Callable[[WorkerClient], None],
+def recomputing_stream(
+    params: SamplingParams, start: Start, finished: Callable[[WorkerRef, Handle], None],
+    retried: Callable[[WorkerRef], None],
 ) -> TokenStream:
     """A stream from ``start()`` (which picks a worker and starts the request there), started again
     when that worker is lost. ``finished`` gets the worker and the result's handle; ``retried`` the
@@ -50,8 +54,9 @@ def failover_stream(
                         yield item
                 except WorkerLost:
                     if delivered and not deterministic:
-                        raise ServerError(
-                            f"worker {worker.rank} died mid-stream; non-deterministic sampling cannot be resumed"
+                        raise ServerUnavailable(
+                            f"worker {worker.rank} died mid-stream; a stream with non-deterministic sampling "
+                            "cannot be continued elsewhere: retry the request"
                         ) from None
                     retried(worker)
                     worker, items = start()
