@@ -13,6 +13,7 @@ BENCHMARKS = {
     "transfer": ("kvbaton.bench.transfer", "multi-device: KV transfer vs recompute crossover, fork across workers vs replay"),
     "correction": ("kvbaton.bench.correction", "shared segments behind different prefixes: dense / rotation / anchor correction"),
     "agents": ("kvbaton.bench.agents", "persona-first debate / chain / fan-out: exact vs auto vs rotate reuse vs text replay"),
+    "family": ("kvbaton.bench.family_run", "60 generated agent workflows: reuse, decisions, speed, fidelity, QA vs exact"),
     "workflow": ("kvbaton.bench.workflow", "10-agent cyclic workflow: no reuse / LRU / LRU+tier / STE+prefetch"),
     "scaling": ("kvbaton.bench.scaling", "k = 1..16 agents on one shared context: text replay vs forked handles"),
     "branching": ("kvbaton.bench.branching", "peak KV vs branch factor of a tree search: copies vs forks"),
