@@ -37,13 +37,15 @@ def cases():
                 {"x": ptr, "residual": ptr, "weight": ptr, "out_residual": ptr, "out_normed": ptr},
                 {"eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_or": "i32", "stride_on": "i32"},
                 {"N": hidden, "BLOCK": kernels._pow2(hidden, 16), "HAS_RESIDUAL": True}), 8
-            yield f"rope_store {dt} {heads}/{kv_heads}x{d}", kernels._rope_store_kernel, *_sig(
-                {"qkv": ptr, "cos": ptr, "sin": ptr, "positions": "*i32", "slots": "*i32", "q_out": ptr,
-                 "k_cache": ptr, "v_cache": ptr},
-                {"stride_t": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ch": "i64", "stride_cs": "i32",
-                 "stride_cos": "i32"},
-                {"HEADS": heads, "KV_HEADS": kv_heads, "HALF": d // 2, "BLOCK_HEADS": kernels._pow2(heads + kv_heads, 1),
-                 "BLOCK_KV": kernels._pow2(kv_heads, 1), "BLOCK_HALF": kernels._pow2(d // 2, 1)}), 4
+            for k_out in (False, True):
+                yield f"rope_store {dt} {heads}/{kv_heads}x{d}{' k_out' if k_out else ''}", kernels._rope_store_kernel, *_sig(
+                    {"qkv": ptr, "cos": ptr, "sin": ptr, "positions": "*i32", "slots": "*i32", "q_out": ptr,
+                     "k_cache": ptr, "v_cache": ptr, "k_out": ptr},
+                    {"stride_t": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ch": "i64", "stride_cs": "i32",
+                     "stride_cos": "i32", "stride_kt": "i32", "stride_kh": "i32"},
+                    {"HEADS": heads, "KV_HEADS": kv_heads, "HALF": d // 2,
+                     "BLOCK_HEADS": kernels._pow2(heads + kv_heads, 1), "BLOCK_KV": kernels._pow2(kv_heads, 1),
+                     "BLOCK_HALF": kernels._pow2(d // 2, 1), "K_OUT": k_out}), 4
             for splits in (1, 16):
                 yield f"decode {dt} {heads}/{kv_heads}x{d} splits {splits}", kernels._decode_partial_kernel, *_sig(
                     {"q": ptr, "k_cache": ptr, "v_cache": ptr, "block_tables": "*i32", "context_lens": "*i32",

@@ -142,6 +142,38 @@ def test_rope_store_rotates_q_and_k_writes_k_and_v_at_their_slots_and_skips_padd
     assert torch.equal(v_cache, want_v)
     untouched = [s for s in range(64) if s not in (17, 3, 40)]
     assert torch.equal(k_cache[:, untouched], want_k[:, untouched])
+    # The same launch with k_out: the rotated k of every row (a padding row's too) also into a buffer of its own,
+    # what a fresh prompt's prefill attends over instead of reading the pool back.
+    k_out = torch.full((4, kv_heads, d), 7.0, dtype=dtype, device=DEVICE)
+    again = kernels.rope_store(qkv, shape.cos, shape.sin, batch.positions, batch.slots, k_cache, v_cache, heads,
+                               kv_heads, k_out=k_out)
+    assert torch.equal(again, got_q)
+    _, want_rotated, want_values = TorchOps().rope_store_kv(qkv, shape, batch, want_k.clone(), want_v.clone())
+    assert _relative(k_out, want_rotated) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(k_out[[0, 2, 3]], k_cache[:, [17, 3, 40]].transpose(0, 1))
+    assert torch.equal(want_values, qkv[:, (heads + kv_heads) * d :].view(4, kv_heads, d))
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "sdpa-expanded"] if DEVICE == "cpu" else
+                         ["sdpa", "sdpa-cudnn", "sdpa-flash", "flash-varlen", "sdpa-cudnn-expanded", "sdpa-efficient"])
+def test_local_attention_is_causal_over_each_sequences_own_keys(kind):
+    """Fresh prompts packed in one batch, each attending only over its own keys (grouped heads), by every kind
+    of local attention the runner may pick (on CPU the SDPA paths; on CUDA every backend, bf16)."""
+    from kvbaton.backend.compute.cuda.ops import local_attention
+
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    lengths, tables = [23, 40], [[1, 3], [0, 2, 4]]
+    batch, q, k_cache, v_cache = random_prefill(gen, tables, [0, 0], lengths, 8, 2, 64, 16, 5, dtype, DEVICE)
+    slots = batch.kv_slots.long()
+    k, v = k_cache[:, slots].transpose(0, 1), v_cache[:, slots].transpose(0, 1)
+    batch.local, batch.q_bounds = True, (0, 23, 63)
+    want = TorchOps().prefill(q.float(), k_cache.float(), v_cache.float(), batch, 0.125)
+    try:
+        got = local_attention(kind, q, k, v, batch, 0.125)
+    except RuntimeError as exc:  # a backend this GPU or build lacks: the runner's start-up check skips it too
+        pytest.skip(f"{kind}: {exc}")
+    assert got.shape == q.shape and _relative(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

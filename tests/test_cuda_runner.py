@@ -1,8 +1,9 @@
 """The CUDA runner's step function, tested on CPU: run eagerly in fp32 with the torch reference stages
 (``cuda/ops.TorchOps``, what the Triton kernels are checked against in test_cuda_kernels.py), it gives
 the eager runner's logits and greedy tokens on the real default model, for packed prefill chunks (fresh, behind
-cached tokens, at sparse positions) and batched decode steps of sequences with different context lengths; a
-decode batch padded to a graph bucket changes nothing. Graph capture itself needs a GPU (the GPU benchmark)."""
+cached tokens, at sparse positions), short chunks run as rows of the decode step, fresh prompts attending over
+their own keys, and batched decode steps of sequences with different context lengths; a decode batch padded to
+a graph bucket changes nothing. Graph capture itself needs a GPU (the GPU benchmark)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,63 @@ def test_a_decode_batch_padded_to_a_bucket_computes_the_same_rows_and_writes_not
     _close(list(padded[8][:3]), list(padded[3]))  # a matrix product's rounding may differ with its row count
 
 
+def test_short_chunks_run_as_decode_rows_with_the_eager_runners_logits(engine, corpus_tokens):
+    """A resume's question, a sparse recomputation and decode steps in one forward, every token one row of the
+    decode step (what a CUDA graph replays): each chunk's rows see each other causally, as prefill does."""
+    loaded = engine.loaded
+    eager_pool, step_pool = _pools(engine)
+    eager = select_runner(loaded, eager_pool)
+    ours = StepRunner(loaded, step_pool, TorchOps(), select_runner(loaded, step_pool), small_chunk_rows=12)
+    prompts = [corpus_tokens[:70], corpus_tokens[400:433], corpus_tokens[900:960]]
+    tables = _scattered(eager_pool, 0, [100, 50, 70])
+    _scattered(step_pool, 0, [100, 50, 70])
+    first = [Chunk(t, 0, p) for t, p in zip(tables, prompts)]
+    _close(ours.forward(first), eager.forward(first))
+    rows_before = ours.forwards["rows"]
+    question = corpus_tokens[2000:2012]  # 12 tokens behind 70 cached, across a block edge
+    positions = [5, 30, 31, 59]  # sparse: recomputed among cached ones
+    mixed = [Chunk(tables[0], 70, question, all_logits=True), Chunk(tables[1], 33, [prompts[1][-1]]),
+             Chunk(tables[2], 5, [prompts[2][p] for p in positions], positions=positions)]
+    got, want = ours.forward(mixed), eager.forward(mixed)
+    assert ours.forwards["rows"] == rows_before + 1 and got[0].shape == (12, loaded.vocab_size)
+    _close(got, want)
+    slots = eager_pool.slots(tables[0], 0, 82)
+    k_rows, v_rows = step_pool.read_rows(slots)
+    k_eager, v_eager = eager_pool.read_rows(slots)
+    assert (k_rows - k_eager).abs().max() < 1e-3 and (v_rows - v_eager).abs().max() < 1e-3
+    too_long = [Chunk(tables[0], 82, corpus_tokens[3000:3013])]  # 13 > 12 tokens: the prefill step
+    _close(ours.forward(too_long), eager.forward(too_long))
+    assert ours.forwards["rows"] == rows_before + 1
+
+
+def test_fresh_prompts_attend_over_their_own_keys_as_over_the_pool(engine, corpus_tokens):
+    """A batch of fresh prompts (from position 0) attends over the step's own K/V, never read back from the pool
+    (TorchOps(local=True): the math the CUDA ops run there), with the eager runner's logits and pool contents;
+    a chunk behind cached tokens in the batch sends it back to the pool-reading path."""
+    loaded = engine.loaded
+    eager_pool, step_pool = _pools(engine)
+    eager = select_runner(loaded, eager_pool)
+    ops = TorchOps(local=True)
+    ours = StepRunner(loaded, step_pool, ops, select_runner(loaded, step_pool))
+    seen = []
+    prefill_local = ops.prefill_local
+    ops.prefill_local = lambda *args: seen.append(args[3].q_bounds) or prefill_local(*args)  # type: ignore[method-assign]
+    prompts = [corpus_tokens[:45], corpus_tokens[500:600], corpus_tokens[1000:1017]]
+    tables = _scattered(eager_pool, 0, [64, 110, 40])
+    _scattered(step_pool, 0, [64, 110, 40])
+    fresh = [Chunk(t, 0, p, all_logits=i == 2) for i, (t, p) in enumerate(zip(tables, prompts))]
+    _close(ours.forward(fresh), eager.forward(fresh))
+    assert seen == [(0, 45, 145, 162)] * len(ours.weights.layers)
+    for table, prompt in zip(tables, prompts):
+        slots = eager_pool.slots(table, 0, len(prompt))
+        k_ours, v_ours = step_pool.read_rows(slots)
+        k_eager, v_eager = eager_pool.read_rows(slots)
+        assert (k_ours - k_eager).abs().max() < 1e-3 and (v_ours - v_eager).abs().max() < 1e-3
+    behind = [Chunk(tables[0], 45, corpus_tokens[45:60]), Chunk(tables[2], 0, corpus_tokens[1000:1030])]
+    _close(ours.forward(behind), eager.forward(behind))
+    assert len(seen) == len(ours.weights.layers)  # not local: the pool-reading prefill
+
+
 @pytest.mark.unit
 def test_decode_splits_give_few_sequences_more_splits():
     from kvbaton.backend.compute.cuda.ops import MAX_SPLITS, decode_splits
@@ -141,7 +199,7 @@ def test_the_step_on_the_triton_kernels_gives_the_reference_logits(engine, corpu
     weights.layers = weights.layers[:3]
     triton_pool, reference_pool = _pools(engine)
     ours = StepRunner(loaded, triton_pool, TritonOps(torch.float32, torch.device("cpu"), flash=False),
-                      EagerRunner(loaded, triton_pool, SDPA), weights)
+                      EagerRunner(loaded, triton_pool, SDPA), weights, small_chunk_rows=4)
     reference = StepRunner(loaded, reference_pool, TorchOps(), EagerRunner(loaded, reference_pool, SDPA), weights)
     prompts = [corpus_tokens[:21], corpus_tokens[500:512]]
     tables = _scattered(triton_pool, 0, [24, 16])
@@ -157,6 +215,9 @@ def test_the_step_on_the_triton_kernels_gives_the_reference_logits(engine, corpu
         got = ours.forward(chunks)
         _close(got, reference.forward(chunks))
         tokens = [int(g.argmax()) for g in got]
+    rows = [Chunk(tables[1], len(prompts[1]) + 2, corpus_tokens[700:702], all_logits=True)]  # 2 rows, a block edge
+    _close(ours.forward(rows), reference.forward(rows))
+    assert ours.forwards["rows"] == 1
     k_ours, v_ours = triton_pool.read_rows(triton_pool.slots(tables[0], 0, 23))
     k_ref, v_ref = reference_pool.read_rows(reference_pool.slots(tables[0], 0, 23))
     assert (k_ours[:3] - k_ref[:3]).abs().max() < 1e-4 and (v_ours[:3] - v_ref[:3]).abs().max() < 1e-4

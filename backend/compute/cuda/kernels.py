@@ -105,10 +105,10 @@ def _rope_half(a, b, c, s, SIGN: tl.constexpr):
 
 
 @triton.jit
-def _rope_store_kernel(qkv, cos, sin, positions, slots, q_out, k_cache, v_cache, stride_t, stride_qt, stride_qh,
-                       stride_ch, stride_cs, stride_cos, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                       HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr):
+def _rope_store_kernel(qkv, cos, sin, positions, slots, q_out, k_cache, v_cache, k_out, stride_t, stride_qt, stride_qh,
+                       stride_ch, stride_cs, stride_cos, stride_kt, stride_kh, HEADS: tl.constexpr,
+                       KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, K_OUT: tl.constexpr):
     # One program per token: every q and k head as the rows of one tile, then every v head.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
@@ -136,6 +136,11 @@ def _rope_store_kernel(qkv, cos, sin, positions, slots, q_out, k_cache, v_cache,
     k_dst = k_cache + (heads[:, None] - HEADS).to(tl.int64) * stride_ch + slot * stride_cs + i[None, :]
     tl.store(k_dst, out1.to(k_cache.dtype.element_ty), mask=is_k)
     tl.store(k_dst + HALF, out2.to(k_cache.dtype.element_ty), mask=is_k)
+    if K_OUT:  # the rotated k also to a buffer: prefill attends over this step's own keys without reading the pool
+        k_rows = (heads >= HEADS)[:, None] & mask
+        k_buf = k_out + t * stride_kt + (heads[:, None] - HEADS).to(tl.int64) * stride_kh + i[None, :]
+        tl.store(k_buf, out1, mask=k_rows)
+        tl.store(k_buf + HALF, out2, mask=k_rows)
     kv = tl.arange(0, BLOCK_KV)
     v_mask = (kv < KV_HEADS)[:, None] & i_mask[None, :] & ((kv[:, None] * 0 + slot) >= 0)
     v_src = qkv + t * stride_t + (HEADS + KV_HEADS + kv[:, None]) * (2 * HALF) + i[None, :]
@@ -145,21 +150,24 @@ def _rope_store_kernel(qkv, cos, sin, positions, slots, q_out, k_cache, v_cache,
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
+               k_out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate the q and k heads of ``qkv`` (``[tokens, (heads + 2 * kv_heads) * head_dim]``: q, k, v heads in
     order) by ``cos``/``sin`` (``[positions, head_dim]``) at ``positions``; write the rotated k and the v into
-    one layer of the pool (``[kv_heads, slots, head_dim]``) at ``slots`` (-1: no write); return the rotated q,
-    ``[tokens, heads, head_dim]``."""
+    one layer of the pool (``[kv_heads, slots, head_dim]``) at ``slots`` (-1: no write), and the rotated k into
+    ``k_out`` (``[tokens, kv_heads, head_dim]``) when given; return the rotated q, ``[tokens, heads, head_dim]``."""
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and head_dim % 2 == 0
     q = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    assert k_out is None or (k_out.shape == (tokens, kv_heads, head_dim) and k_out.stride(-1) == 1)
     _rope_store_kernel[(tokens,)](
-        qkv, cos, sin, positions, slots, q, k_cache, v_cache, qkv.stride(0), q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), cos.stride(0), HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2,
-        BLOCK_HEADS=_pow2(heads + kv_heads, 1), BLOCK_KV=_pow2(kv_heads, 1), BLOCK_HALF=_pow2(head_dim // 2, 1),
-        num_warps=4)
+        qkv, cos, sin, positions, slots, q, k_cache, v_cache, q if k_out is None else k_out, qkv.stride(0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), cos.stride(0),
+        0 if k_out is None else k_out.stride(0), 0 if k_out is None else k_out.stride(1), HEADS=heads,
+        KV_HEADS=kv_heads, HALF=head_dim // 2, BLOCK_HEADS=_pow2(heads + kv_heads, 1), BLOCK_KV=_pow2(kv_heads, 1),
+        BLOCK_HALF=_pow2(head_dim // 2, 1), K_OUT=k_out is not None, num_warps=4)
     return q
 
 

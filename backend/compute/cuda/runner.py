@@ -3,17 +3,23 @@
 A :class:`~kvbaton.backend.compute.runner.ModelRunner` over :func:`.step.step` (the forward as one pure tensor
 function over static input buffers, weights fused once per model):
 
-- **Decode** (every chunk one token, as many sequences as the largest bucket or fewer) replays a CUDA graph
-  captured once per batch-size bucket (:data:`BUCKETS`, as nano-vLLM and vLLM do) at start-up: the batch is
-  padded to its bucket (padding rows write no K/V and attend to nothing), its inputs are copied into the
-  graph's buffers with one upload, and the whole step (every layer's matrix products, the paged decode
-  kernel, the LM head) is one launch. Larger batches, or a runner with graphs off (:attr:`use_graphs`), run
-  the same step eagerly. Graphs are captured when the runner is built, before any request can run a CUDA
+- **Decode rows**: a step whose chunks are decode steps and short prefill chunks (up to
+  :data:`SMALL_CHUNK_ROWS` tokens each, :data:`BUCKETS`' largest in all: a resume's question, a few tokens of a
+  turn) runs each token as one row of the decode step, at its own position, seeing every key up to its own:
+  each layer writes every row's K/V before any row attends, so a chunk's rows come out causal, as the CPU's
+  fused step runs chunks of a few tokens. It replays a CUDA graph captured once per row-count bucket
+  (:data:`BUCKETS`, as nano-vLLM and vLLM do) at start-up: the rows are padded to their bucket (padding rows
+  write no K/V and attend to nothing), their inputs are copied into the graph's buffers with one upload, and
+  the whole step (every layer's matrix products, the paged decode kernel, the LM head) is one launch: a short
+  prefill costs what a decode step costs. More rows, or a runner with graphs off (:attr:`use_graphs`), run the
+  same step eagerly. Graphs are captured when the runner is built, before any request can run a CUDA
   operation on another thread during a capture.
 - **Prefill**, chunked prefill and batches that mix them with decode steps go as ONE varlen forward of every
-  chunk (the scheduler bounds its tokens by ``max_batch_tokens``): FlashAttention-2 varlen over each
-  sequence's keys (bf16/fp16), else the Triton varlen kernel reading the pool (fp32; sparse chunks at explicit
-  positions, selective recomputation, whose tokens sit among cached ones).
+  chunk (the scheduler bounds its tokens by ``max_batch_tokens``): fresh prompts from position 0 attend over
+  the step's own K/V (bf16/fp16: SDPA's cuDNN or FlashAttention backend, no K/V read back from the pool),
+  chunks behind cached tokens by FlashAttention-2 varlen over each sequence's keys (bf16/fp16), else the
+  Triton varlen kernel reading the pool (fp32; sparse chunks at explicit positions, selective recomputation,
+  whose tokens sit among cached ones).
 - The deviation probe (cross-prefix reuse) and positions past the model's rotary table run the eager runner's
   code path (:class:`~kvbaton.backend.compute.eager.EagerRunner`: the Hugging Face model with SDPA over the
   pool), which also keeps every capability of the model the step does not cover.
@@ -48,6 +54,10 @@ from .step import StepBatch, StepOps, StepWeights, step, step_weights
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Prefill chunks of up to this many tokens run as rows of the decode step (graph-replayed on CUDA): a row reads its
+# sequence's context once, and the rows of one chunk read the same K/V side by side (neighbouring programs of the
+# decode kernel), so a few dozen rows stay cheap even at long context.
+SMALL_CHUNK_ROWS = 32
 # KVBATON_CUDA_RUNNER=0: CUDA runs the eager runner (A/B checks); KVBATON_CUDA_GRAPHS=0: the step eagerly.
 RUNNER_ENV, GRAPHS_ENV = "KVBATON_CUDA_RUNNER", "KVBATON_CUDA_GRAPHS"
 
@@ -120,13 +130,19 @@ class StepRunner:
     positions past the rotary table."""
 
     def __init__(self, loaded: LoadedModel, pool: BlockPool, ops: StepOps, fallback: ModelRunner,
-                 weights: StepWeights | None = None, *, fall_back_on_error: bool = False) -> None:
+                 weights: StepWeights | None = None, *, fall_back_on_error: bool = False,
+                 small_chunk_rows: int = 0) -> None:
         self.loaded, self.pool, self.ops, self.fallback = loaded, pool, ops, fallback
+        # Chunks of up to this many tokens run as decode rows (see the module); 0: only one-token chunks do.
+        self.small_chunk_rows = small_chunk_rows
+        self.max_rows = BUCKETS[-1]
         self.weights = weights or step_weights(loaded)
         self.device = loaded.device
         self.block_size = pool.block_size
         self._upload = _Upload(self.device)
-        self.forwards = {"graph": 0, "eager step": 0, "fallback": 0}  # forwards by path, for benchmarks
+        # Forwards by path, for benchmarks: a graph replayed, the step run eagerly, the fallback; "rows": forwards
+        # that ran prefill chunks as decode rows (graph-replayed or eager).
+        self.forwards = {"graph": 0, "eager step": 0, "fallback": 0, "rows": 0}
         # With ``fall_back_on_error``, a forward the step cannot run (a kernel that fails to compile on this GPU)
         # sends it and every later one to the fallback, logged once; ``failed`` says why.
         self._fall_back_on_error = fall_back_on_error
@@ -148,11 +164,18 @@ class StepRunner:
             return self.fallback.forward(chunks)
 
     def _forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
-        if all(len(c.token_ids) == 1 for c in chunks):
+        sizes = [len(c.token_ids) for c in chunks]
+        if all(n == 1 for n in sizes) or (sum(sizes) <= self.max_rows and max(sizes) <= self.small_chunk_rows):
+            if max(sizes) > 1:
+                self.forwards["rows"] += 1
             logits = self._decode(chunks)
             # Rows of one fresh tensor, not a copy each (a kernel and an allocation per sequence per step): a
             # decode step's logits are sampled and dropped (the lifecycle copies a row it keeps with a state).
-            return [logits[i : i + 1] if c.all_logits else logits[i] for i, c in enumerate(chunks)]
+            out, row = [], 0
+            for chunk, n in zip(chunks, sizes):
+                out.append(logits[row : row + n] if chunk.all_logits else logits[row + n - 1])
+                row += n
+            return out
         batch, spans = self._prefill_batch(chunks)
         self.forwards["eager step"] += 1
         logits = step(self.weights, self.pool.k, self.pool.v, batch, self.ops)
@@ -167,10 +190,11 @@ class StepRunner:
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        """Logits ``[len(chunks), vocab]`` of a batch of one-token chunks (eager here; graphs in the subclass)."""
-        head, tables = self._decode_inputs(chunks, len(chunks))
+        """Logits ``[rows, vocab]`` of chunks run as decode rows, one per token in order (eager here; graphs in
+        the subclass)."""
+        n = sum(len(c.token_ids) for c in chunks)
+        head, tables = self._decode_inputs(chunks, n)
         width = tables.shape[1]
-        n = len(chunks)
         ints = self._upload.to_device(np.concatenate([head.reshape(-1), tables.reshape(-1)]))
         ids, positions, slots, lens = ints[: 4 * n].view(4, n)
         batch = StepBatch(input_ids=ids, positions=positions, slots=slots, block_tables=ints[4 * n :].view(n, width),
@@ -179,31 +203,46 @@ class StepRunner:
         return step(self.weights, self.pool.k, self.pool.v, batch, self.ops)
 
     def _decode_inputs(self, chunks: Sequence[Chunk], size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host inputs of a decode batch padded to ``size`` rows: ``[4, size]`` (ids, positions, slots, context
-        lengths; padding rows: slot -1, length 0) and the block tables ``[len(chunks), width]``."""
+        """Host inputs of the chunks' tokens as decode rows, padded to ``size`` rows: ``[4, size]`` (ids,
+        positions, slots, context lengths; padding rows: slot -1, length 0) and the block tables ``[rows,
+        width]`` (a chunk's rows share its table)."""
         bs = self.block_size
         head = np.zeros((4, size), dtype=np.int32)
         head[2] = -1
-        tables = []
-        for i, chunk in enumerate(chunks):
-            p = self._last_position(chunk)
-            table = chunk.blocks[: p // bs + 1]
-            head[0, i] = chunk.token_ids[0]
-            head[1, i] = p
-            head[2, i] = table[-1] * bs + p % bs
-            head[3, i] = p + 1
+        tables, counts = [], []
+        row = 0
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            if n == 1:  # a decode step: the common case, without arrays
+                p = self._last_position(chunk)
+                table = chunk.blocks[: p // bs + 1]
+                head[:, row] = (chunk.token_ids[0], p, table[-1] * bs + p % bs, p + 1)
+            else:
+                pos = (np.arange(chunk.start, chunk.start + n) if chunk.positions is None
+                       else np.asarray(chunk.positions))
+                table = chunk.blocks[: int(pos[-1]) // bs + 1]
+                head[0, row : row + n] = chunk.token_ids
+                head[1, row : row + n] = pos
+                head[2, row : row + n] = _slots(table, pos, bs)
+                head[3, row : row + n] = pos + 1
             tables.append(table)
+            counts.append(n)
+            row += n
         width = max(len(t) for t in tables)
-        out = np.zeros((len(tables), width), dtype=np.int32)
-        for i, table in enumerate(tables):
-            out[i, : len(table)] = table
+        out = np.zeros((row, width), dtype=np.int32)
+        row = 0
+        for table, n in zip(tables, counts):
+            out[row : row + n, : len(table)] = table
+            row += n
         return head, out
 
     # -- prefill ----------------------------------------------------------------------------------
     def _prefill_batch(self, chunks: Sequence[Chunk]) -> tuple[StepBatch, list[_Span]]:
         """One varlen batch of every chunk (rows packed in chunk order), with one upload."""
         bs = self.block_size
-        gather = self.ops.gathers
+        # Fresh prompts from position 0 (and the ops can attend over the step's own K/V): nothing to gather.
+        local = self.ops.local_prefill and all(c.positions is None and c.start == 0 for c in chunks)
+        gather = self.ops.gathers and not local
         ids, positions, slots, tables, lens, rows, kv = [], [], [], [], [], [], []
         spans: list[_Span] = []
         cu_q, cu_k = [0], [0]
@@ -244,7 +283,8 @@ class StepRunner:
             input_ids=views[0], positions=views[1], slots=views[2], context_lens=views[3], cu_q=views[4],
             logit_rows=views[5], block_tables=views[6].view(len(tables), width), block_size=bs,
             max_q=max(len(c.token_ids) for c in chunks), dense=dense,
-            cu_k=views[7] if gather else None, kv_slots=views[8] if gather else None, max_k=max(lens))
+            cu_k=views[7] if gather else None, kv_slots=views[8] if gather else None, max_k=max(lens), local=local,
+            q_bounds=tuple(cu_q))
         return batch, spans
 
 
@@ -292,7 +332,7 @@ class CudaGraphRunner(StepRunner):
             raise RunnerUnavailable(f"the CUDA graph runner is unavailable: {reason}")
         # On the GPU the model keeps one copy of its fused weights: its q/k/v and gate/up become views of them.
         super().__init__(loaded, pool, TritonOps(loaded.dtype, loaded.device), EagerRunner(loaded, pool, SDPA),
-                         step_weights(loaded, share=True), fall_back_on_error=True)
+                         step_weights(loaded, share=True), fall_back_on_error=True, small_chunk_rows=SMALL_CHUNK_ROWS)
         self.use_graphs = os.environ.get(GRAPHS_ENV, "1") != "0" if graphs is None else graphs
         self.width = min(pool.num_blocks, -(-self.weights.max_positions // pool.block_size))
         self._graphs: dict[int, _DecodeGraph] = {}
@@ -320,7 +360,7 @@ class CudaGraphRunner(StepRunner):
                  ", ".join(map(str, BUCKETS)), self.capture_s, self.ops.name)
 
     def _decode(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        n = len(chunks)
+        n = sum(len(c.token_ids) for c in chunks)
         if not self.use_graphs or not self._graphs or n > BUCKETS[-1]:
             return super()._decode(chunks)
         graph = self._graphs[next(b for b in BUCKETS if b >= n)]

@@ -41,10 +41,15 @@ class StepBatch:
 
     ``tokens`` rows: ``input_ids``, ``positions``, ``slots``. ``sequences`` rows: ``block_tables``
     (``[sequences, width]``), ``context_lens`` (keys its last query sees: its last position + 1; 0 for a
-    padding row). A decode step has one token per sequence (``cu_q`` None, logits for every row); a prefill
+    padding row). A decode step has one token per row (``cu_q`` None, logits for every row): a decode step of
+    each sequence, or the tokens of a short chunk as rows of their sequence, each at its own position with
+    its own context length (row ``i`` sees keys up to its position, so a chunk's rows are causal); a prefill
     step packs sequence ``s`` in rows ``cu_q[s]..cu_q[s+1]-1`` and wants logits of ``logit_rows`` only.
     ``kv_slots``/``cu_k``/``max_k``: every key of every sequence in order (slots ``0..context_len-1``), for
     attention that reads K/V gathered contiguous (flash varlen); None when the attention reads the pool itself.
+    ``local``: every sequence's keys are exactly this step's tokens (fresh prompts from position 0, dense), so
+    attention can read the step's own K/V instead of the pool (``StepOps.prefill_local``); ``q_bounds``: ``cu_q``
+    on the host.
     """
 
     input_ids: torch.Tensor
@@ -60,6 +65,8 @@ class StepBatch:
     kv_slots: torch.Tensor | None = None
     cu_k: torch.Tensor | None = None
     max_k: int = 0
+    local: bool = False
+    q_bounds: tuple[int, ...] = ()
 
     @property
     def decode(self) -> bool:
@@ -74,6 +81,8 @@ class StepOps(Protocol):
     name: str
     # Whether prefill reads each sequence's keys gathered contiguous: the batch then lists them (``kv_slots``).
     gathers: bool
+    # Whether a local batch (``StepBatch.local``) attends over the step's own K/V (``prefill_local``).
+    local_prefill: bool
 
     def add_norm(self, hidden: torch.Tensor, x: torch.Tensor | None, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h, norm(h))`` with ``h = hidden + x`` (``h = hidden`` when ``x`` is None), ``[tokens, hidden]``."""
@@ -85,9 +94,20 @@ class StepOps(Protocol):
         no write); the rotated q, ``[tokens, heads, head_dim]``."""
         ...
 
+    def rope_store_kv(self, qkv: torch.Tensor, w: StepWeights, batch: StepBatch, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`rope_store`, and the rotated k and the v too: ``(q, k, v)``, k and v ``[tokens, kv_heads,
+        head_dim]``."""
+        ...
+
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch,
                scale: float) -> torch.Tensor:
         """``q``: ``[sequences, heads, head_dim]``, one token each; its attention over the pool."""
+        ...
+
+    def prefill_local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch,
+                      scale: float) -> torch.Tensor:
+        """Causal attention of a local batch's packed sequences over their own ``k``/``v`` (no pool read)."""
         ...
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch,
@@ -206,14 +226,18 @@ def step(w: StepWeights, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Step
     tokens = batch.input_ids.shape[0]
     q_width = w.heads * w.head_dim
     layers = w.layers
+    local = not batch.decode and batch.local and ops.local_prefill
     hidden, normed = ops.add_norm(F.embedding(batch.input_ids, w.embed), None, layers[0].input_norm)
     for index, layer in enumerate(layers):
         k_cache, v_cache = k_pool[index], v_pool[index]
-        q = ops.rope_store(F.linear(normed, layer.qkv, layer.qkv_bias), w, batch, k_cache, v_cache)
-        if batch.decode:
-            out = ops.decode(q, k_cache, v_cache, batch, w.scale)
+        qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
+        if local:  # fresh prompts: attention over this step's own K/V, the pool only written
+            q, k, v = ops.rope_store_kv(qkv, w, batch, k_cache, v_cache)
+            out = ops.prefill_local(q, k, v, batch, w.scale)
+        elif batch.decode:
+            out = ops.decode(ops.rope_store(qkv, w, batch, k_cache, v_cache), k_cache, v_cache, batch, w.scale)
         else:
-            out = ops.prefill(q, k_cache, v_cache, batch, w.scale)
+            out = ops.prefill(ops.rope_store(qkv, w, batch, k_cache, v_cache), k_cache, v_cache, batch, w.scale)
         hidden, normed = ops.add_norm(hidden, F.linear(out.reshape(tokens, q_width), layer.o, layer.o_bias),
                                       layer.post_norm)
         gate_up = F.linear(normed, layer.gate_up)
