@@ -295,7 +295,9 @@ def _autogen(b: _Builder, doc: str, topology: str) -> tuple[str, list[Turn]]:
     for t in asked:
         turns.append(Turn(t.agent, t.instruction, tuple(range(len(turns))), "", None))
     ask = _ASK["argue" if topology == "debate" else "summarise"].format(doc=_NOUN[b.kind], motion=_MOTION[b.kind])
-    return f"{doc}\n\nThe team's task: {ask}", turns
+    # the questions are in the task too: an AutoGen agent answers the conversation, not only its system message
+    questions = " ".join(f"The {b.agents[t.agent].title} answers: {t.instruction}" for t in asked)
+    return f"{doc}\n\nThe team's task: {ask} {questions}".rstrip(), turns
 
 
 def _origin(built: Sequence[Turn], turn: Turn) -> int:

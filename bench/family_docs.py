@@ -47,7 +47,8 @@ class Facts:
 
 @dataclass(frozen=True)
 class Question:
-    """A question about a document and the string its right answer contains (``check``)."""
+    """A question about a document and the string its right answer contains (``check``): a person's full name, a
+    date, or a reference number's six digits."""
 
     text: str
     answer: str
@@ -96,8 +97,9 @@ def questions(kind: str, f: Facts) -> tuple[Question, Question, Question]:
     """One question per fact of a ``kind`` document, each answered by a string match."""
     thing, who, when = _ROLES[kind]
     return (
-        Question(f"What is the reference number of {thing}? Reply with the reference number only.", f.reference,
-                 "reference"),
+        # the reference's six digits are its unique part (a small model often drops the letters around them)
+        Question(f"What is the reference number of {thing}? Reply with the reference number only.",
+                 f.reference.split("-")[1], "reference"),
         Question(f"Who {who}? Reply with the full name only.", f.person, "person"),
         Question(f"On what date {when}? Reply with the date only." if kind != "logs" else
                  "What date was recorded as the incident date? Reply with the date only.", f.date, "date"),

@@ -95,9 +95,13 @@ def test_every_shape_asks_questions_a_string_match_answers(shapes):
             assert question.answer in s.workload.document  # stated where the seed put it
             if question.fact == "reference":
                 assert s.workload.document.count(question.answer) == 1
-    q = family_docs.Question("What is the reference number?", "HP-894179-H", "reference")
-    assert q.check("The reference number is HP-894179-H.") and q.check("hp-894179-h")
-    assert not q.check("HP-894179") and not q.check("The reference is HP-894179-A.")
+                assert s.facts.reference in s.workload.document
+    ref, person, date = family_docs.questions("contract", family_docs.Facts("HP-894179-H", "Dalia Moreau",
+                                                                            "14 March 2023"))
+    assert ref.answer == "894179"  # the reference's unique part
+    assert ref.check("The reference number is HP-894179-H.") and ref.check("894179-H")
+    assert not ref.check("HP-89417") and not ref.check("HP-984179-H")
+    assert date.check("It takes effect on 14 march 2023.") and not date.check("14 March 2024")
     assert family_docs.Question("Who?", "Dalia Moreau", "person").check("It was  dalia moreau.")
 
 
