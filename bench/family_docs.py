@@ -155,7 +155,8 @@ def _function(rng: random.Random, n: int) -> str:
 
 def _log(rng: random.Random, n: int) -> str:
     level = rng.choice(["INFO", "INFO", "INFO", "WARN", "ERROR"])
-    event = rng.choice(["request served in {a} ms", "retrying upstream call, attempt {b}", "cache hit ratio {a} percent",
+    event = rng.choice(["request served in {a} ms", "retrying upstream call, attempt {b}",
+                        "cache hit ratio {a} percent",
                         "queue depth {a}", "connection pool exhausted after {a} ms", "deployed build {b}"])
     return (f"{n // 60:02d}:{n % 60:02d}:{rng.randint(10, 59)} {level} {rng.choice(SERVICES)} "
             + event.format(a=rng.randint(2, 900), b=rng.randint(2, 99)))

@@ -136,6 +136,12 @@ def shape_row(shape: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _weighted(rows: Sequence[Mapping[str, Any]], key: str, weight: str) -> float | None:
+    """The mean of ``key`` over ``rows``, each weighted by its ``weight`` (None: no weight)."""
+    total = sum(r[weight] for r in rows)
+    return sum(r[key] * r[weight] for r in rows if r[weight]) / total if total else None
+
+
 def split_summary(rows: Sequence[Mapping[str, Any]], variant: str) -> dict[str, Any]:
     """One variant over ``rows``, with issue 46's targets."""
     vs = [r["variants"][variant] for r in rows if variant in r["variants"]]
@@ -153,10 +159,10 @@ def split_summary(rows: Sequence[Mapping[str, Any]], variant: str) -> dict[str, 
         "context_share": (sum(c["reused"] for c in reading) / sum(c["tokens"] for c in reading)) if reading else None,
         "context_share_median": statistics.median(shares) if shares else None,
         "compared": compared,
-        "first_token": sum(v["first_token"] * v["compared"] for v in vs if v["compared"]) / compared if compared else None,
-        "same_text": sum(v["same_text"] * v["compared"] for v in vs if v["compared"]) / compared if compared else None,
+        "first_token": _weighted(vs, "first_token", "compared"),
+        "same_text": _weighted(vs, "same_text", "compared"),
         "kl_turns": kl_turns,
-        "kl_mean": sum(v["kl_mean"] * v["kl_turns"] for v in vs if v["kl_turns"]) / kl_turns if kl_turns else None,
+        "kl_mean": _weighted(vs, "kl_mean", "kl_turns"),
         "kl_max": max((v["kl_max"] for v in vs if v["kl_max"] is not None), default=None),
         "questions": asked,
         "accuracy": sum(v["questions"]["correct"] for v in vs) / asked if asked else None,
@@ -187,7 +193,8 @@ def targets(s: Mapping[str, Any]) -> dict[str, bool | None]:
         "continuation_within_2_points": at_least(s["same_text"], 1 - TARGET_POINTS),
         "accuracy_within_2_points": None if s["accuracy"] is None or s["accuracy_exact"] is None
         else s["accuracy"] >= s["accuracy_exact"] - TARGET_POINTS,
-        "rejection_cost_1.1": None if s["rejection_cost_max"] is None else s["rejection_cost_max"] <= TARGET_REJECTION_COST,
+        "rejection_cost_1.1": None if s["rejection_cost_max"] is None
+        else s["rejection_cost_max"] <= TARGET_REJECTION_COST,
     }
 
 

@@ -65,8 +65,10 @@ class RecordingClient(EmbeddedClient):
             self._count += 1
             return index
 
-    def generate(self, messages: Any, *, handle: Any = None, tools: Any = None, sampling: Any = None,  # type: ignore[override]
-                 agent: Any = None, reuse: Any = None, **options: Any) -> Any:
+    def generate(  # type: ignore[override]
+        self, messages: Any, *, handle: Any = None, tools: Any = None, sampling: Any = None, agent: Any = None,
+        reuse: Any = None, **options: Any,
+    ) -> Any:
         # The adapters pass agent= and reuse= only to a generate whose signature names them: it does.
         index = self._index()
         for key in SAMPLING_KEYS:

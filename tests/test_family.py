@@ -119,7 +119,8 @@ def test_the_table_compares_like_with_like_and_names_the_reasons():
     assert family_table.reason_category("recomputed", "low confidence: next-token margin 0.09 < probe_min_margin "
                                                       "0.5 with the spans re-aligned; ") == "rejected: probe margin"
     assert family_table.reason_category("blended", "anything") == "blended"
-    assert family_table.reason_category("recomputed", "a new rule said 12 tokens") == "recomputed: a new rule said # tokens"
+    unknown = family_table.reason_category("recomputed", "a new rule said 12 tokens")
+    assert unknown == "recomputed: a new rule said # tokens"
     share = family_table.context_share([
         {"first_reader": True, "context_tokens": 100, "context_reused": 90},
         {"first_reader": False, "context_tokens": 100, "context_reused": 100},  # its own earlier reading
