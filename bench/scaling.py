@@ -133,6 +133,7 @@ def workers_phase(ns: tuple[int, ...], agents: int, context_tokens: int, max_tok
                   ray_address: str | None = None) -> list[dict[str, Any]]:
     """The same batch of requests on Ray clusters of N CPU workers (see the module docstring)."""
     from kvbaton.backend.cluster import Cluster
+    from kvbaton.bench.transfer import descendants_cpu_s
 
     cores = os.cpu_count() or 1
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -154,6 +155,7 @@ def workers_phase(ns: tuple[int, ...], agents: int, context_tokens: int, max_tok
                     walls.append(time.perf_counter() - start)
                     cluster.release([r.handle for r in results])
             per_worker = {w.rank: w.stats.tokens_prefilled for w in cluster.stats().cluster.workers if w.stats}
+            record.note_own_cpu(descendants_cpu_s())  # the workers' CPU is this run's, not other load
         row: dict[str, Any] = {"workers": n, "threads_per_worker": threads, "agents": agents,
                                "tokens": agents * (context_tokens + max_tokens),
                                "prefilled_per_worker": per_worker}

@@ -48,6 +48,37 @@ DEFAULT_KS = (1, 2, 4, 8, 16)
 DEFAULT_CROSSOVER_FACTORS = (0.8, 1.0, 1.25)
 
 
+def descendants_cpu_s(root: int | None = None) -> float:
+    """CPU seconds used so far by this process's grandchildren and deeper (Ray's worker actors and agents,
+    children of its raylet): the kernel never counts them as this process's waited-for children, so a
+    record would take them for other load on the machine (:func:`kvbaton.bench.record.note_own_cpu`).
+    The direct children (raylet, GCS) are waited for when Ray shuts down and count as this run's anyway."""
+    root = os.getpid() if root is None else root
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+
+    def depth(pid: int) -> int:
+        d = 0
+        while pid in parents and d < 64:
+            pid = parents[pid]
+            d += 1
+            if pid == root:
+                return d
+        return 0
+
+    return sum(seconds for pid, seconds in cpu.items() if depth(pid) >= 2)
+
+
 def _cap(text: str) -> float | None:
     return None if text.lower() in ("none", "0", "") else float(text)
 
@@ -201,6 +232,7 @@ def run(devices: list[str], lengths: tuple[int, ...], caps: tuple[str, ...], ks:
         fork = fork_across(cluster, corpus, context_tokens, ks, max_tokens, suffix_tokens)
         model = cluster.loaded.name
         used = cluster.transport
+        record.note_own_cpu(descendants_cpu_s())  # the workers' CPU is this run's, not other load
     return {
         "benchmark": "transfer", "model": model, "devices": devices, "worker_threads": worker_threads,
         "backend": "ray", "transport": used,

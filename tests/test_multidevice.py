@@ -96,6 +96,30 @@ def until(predicate, what: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.unit
+def test_nccl_only_between_workers_with_a_gpu_each_and_skipped_cleanly_without_one():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from kvbaton.backend.cluster.launch import bundle
+    from kvbaton.backend.cluster.worker import default_backend
+
+    assert default_backend(["cuda:0", "cuda:1"]) == "nccl"
+    assert default_backend(["cuda", "cuda"]) == "gloo"  # two workers sharing one GPU: NCCL refuses that
+    assert default_backend(["cpu", "cpu"]) == default_backend(["cuda:0", "cpu"]) == "gloo"
+    assert bundle("cuda:1") == {"GPU": 1.0, "CPU": 1.0} and bundle("cpu") == {"CPU": 1.0}
+    path = Path(__file__).parent.parent / "scripts" / "gpu_multidevice.py"
+    spec = importlib.util.spec_from_file_location("gpu_multidevice", path)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules.pop("gpu_multidevice", None)
+    spec.loader.exec_module(script)  # imports cleanly here
+    devices, _, transports, why = script.plan(smoke_cpu=False)
+    if not __import__("torch").cuda.is_available():  # CI: the NCCL check says it was skipped, and why
+        assert (devices, transports) == ([], []) and "no CUDA device" in why
+    assert script.plan(smoke_cpu=True)[0] == ["cpu", "cpu"]
+
+
 def test_engine_exports_and_adopts_kv_exactly(engine, reference, corpus_tokens):
     """The engine-level primitives the workers use: blocks out of one engine, into another."""
     from kvbaton.backend import Engine
@@ -353,13 +377,15 @@ def test_killed_worker_stream_finishes_elsewhere_then_the_worker_rejoins(client,
     tokens = list(first.token_ids) + [t for chunk in stream for t in chunk.token_ids]
     assert tokens == dense_greedy(reference, corpus_tokens[1100:1150] + SUFFIX, 16)[0]
     assert stream.result.handle.placement.worker == 0
-
-    # Used while its worker is down: recomputed from lineage on the other one.
-    result = client.resume(orphan, SUFFIX, sampling=GREEDY)
-    assert result.token_ids == dense_greedy(reference, context + SUFFIX, GREEDY.max_tokens)[0]
-    decision = last_decision(cluster, orphan.id)
+    # The stream's handle was recomputed from its lineage on the other worker, at once.
+    decision = last_decision(cluster, busy.id)
     assert (decision.src, decision.dst, decision.reason, decision.choice) == (None, 0, "lost", "recompute")
     assert client.stats().cluster.retries >= 1
+
+    # Another handle of the dead worker: recomputed on the other one if used while its worker is down,
+    # else served by the restarted worker from its journal (whichever comes first); exact either way.
+    result = client.resume(orphan, SUFFIX, sampling=GREEDY)
+    assert result.token_ids == dense_greedy(reference, context + SUFFIX, GREEDY.max_tokens)[0]
 
     # Ray restarts the actor; it rejoins with the handle its journal kept, and serves again.
     until(lambda: cluster.workers[victim].alive, "the restarted worker rejoined")
@@ -370,8 +396,10 @@ def test_killed_worker_stream_finishes_elsewhere_then_the_worker_rejoins(client,
     assert out.token_ids == dense_greedy(reference, corpus_tokens[1000:1060] + SUFFIX, GREEDY.max_tokens)[0]
     # It left the gloo group (which takes no new member): moves to it go through the object store.
     assert victim not in cluster._router.mover.group.members
-    back = client.transfer(result.handle, victim, method="transfer")
-    assert back.placement.worker == victim
+    if result.handle.placement.worker == victim:
+        cluster.transfer(result.handle, 0, method="transfer")
+    back = cluster.transfer(result.handle, victim, method="transfer")
+    assert back.placement.worker == victim and last_decision(cluster, back.id).choice == "transfer"
     again = client.resume(back, SUFFIX, sampling=GREEDY)
     full = context + SUFFIX + result.token_ids + SUFFIX
     assert again.token_ids == dense_greedy(reference, full, GREEDY.max_tokens)[0]

@@ -18,14 +18,16 @@ Specification:
 - a tenant keeps at most ``--max-registered-agents`` registered agents (its least recently registered
   dropped), and ``DELETE /v1/kv/agents?name=`` (``unregister_agent``) frees one; ``/v1/kv/fidelity``
   refuses a check longer than ``--max-fidelity-tokens`` with a 400;
-- a hung (SIGSTOPped) cluster worker is found by its missed heartbeats: ``/health`` says the cluster
-  is degraded and requests on its handles are answered by the other worker.
+- a hung (SIGSTOPped) cluster worker is found by its missed liveness pings (heartbeats): ``/health`` says
+  the cluster is degraded and requests on its handles are answered by the other worker, until Ray has
+  restarted it and it rejoined.
 The model-free parts (the fair queue, the connection guard, the event views, the bounded caches)
 are checked on their own below.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -278,8 +280,10 @@ def test_a_hung_worker_is_reported_and_its_requests_fail_over(servers):
             assert "heartbeat" in health.json()["reason"] and "1 of 2 workers alive" in health.json()["reason"]
             assert http.post("/v1/kv/complete", json={"prompt": "Still here?", "max_tokens": 2}).status_code == 200
         finally:
-            os.kill(pid, signal.SIGCONT)  # a worker that wakes up finds its connection closed (it was killed)
-        assert http.get("/health").json()["status"] == "degraded"  # a stopped worker does not come back
+            with contextlib.suppress(ProcessLookupError):  # Ray killed it (to restart it): usually gone already
+                os.kill(pid, signal.SIGCONT)
+        # Ray restarts the killed worker (tests/test_multidevice.py waits for its rejoin); meanwhile it serves.
+        assert http.get("/health").status_code == 200
 
 
 # -- the model-free parts -------------------------------------------------------------------------------------

@@ -11,17 +11,22 @@ probed with fresh random tokens (never cached) at a spread of lengths, and fitte
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .costmodel import PREFILL_PROBE_TOKENS, fit_line
 from .remote import WorkerRef
 
-if TYPE_CHECKING:
-    from .moves import Group
-
 LINK_PROBE_BYTES = 32 * 2**20
+
+_tags = itertools.count(1)
+
+
+def next_tag() -> int:
+    """A tag of its own for one exchange over the collective group (moves and probes alike)."""
+    return next(_tags)
 
 
 def send_and_receive(send: Callable[[], Any], receive: Callable[[], Any]) -> tuple[Any, Any]:
@@ -32,15 +37,12 @@ def send_and_receive(send: Callable[[], Any], receive: Callable[[], Any]) -> tup
 
 
 def measure_link(
-    src: WorkerRef, dst: WorkerRef, group: Group | None, bandwidth_cap: float | None, bytes_per_block: int,
+    src: WorkerRef, dst: WorkerRef, collective: bool, bandwidth_cap: float | None, bytes_per_block: int,
 ) -> tuple[float, float]:
     """The link's latency (s) and bandwidth (bytes/s) from ``src`` to ``dst``, over the transport a
-    move between them takes."""
-    from .moves import next_tag
-
+    move between them takes (``collective``: their group, else the object store)."""
     big = int(min(LINK_PROBE_BYTES, bandwidth_cap * 0.3)) if bandwidth_cap else LINK_PROBE_BYTES
     big = max(big, bytes_per_block)
-    collective = group is not None and group.joins(src.rank, dst.rank)
 
     def probe(nbytes: int) -> float:
         t0 = time.perf_counter()

@@ -58,13 +58,13 @@ from . import launch
 from .calibration import measure_call_overhead, measure_link, measure_prefill
 from .costmodel import PREFILL_PROBE_TOKENS, Calibration, CostModel, load_cached, store_cached
 from .liveness import DEFAULT_TIMEOUT_S, Liveness
-from .moves import Group, Mover
+from .moves import Mover
 from .placement import Placer
 from .remote import WorkerLost, WorkerRef, answer
 from .routing import Router
 from .stats import cluster_stats
 from .streams import recomputing_stream
-from .worker import DIST_BACKEND_ENV, Worker, default_backend
+from .worker import Worker
 
 if TYPE_CHECKING:
     from ..cache.persist import Persistence
@@ -182,7 +182,7 @@ class Cluster(ConfiguredEngine):
         for w in self.workers:  # persistence: the handles the workers kept from an earlier run
             self._release_stale(w, self._router.rejoined(w.rank, w.call("held")))
         try:
-            self._router.mover.group = self._form_group(transport)
+            self._router.mover.group = launch.form_group(self.workers, self.devices, transport)
         except BaseException:
             self.close()
             raise
@@ -201,21 +201,6 @@ class Cluster(ConfiguredEngine):
     def transport(self) -> str:
         group = self._router.mover.group if self._router.mover is not None else None
         return f"collective ({group.backend})" if group is not None else "object store"
-
-    def _form_group(self, transport: str) -> Group | None:
-        """The torch.distributed group inside the actors (as vLLM's Ray executor forms its own), when
-        ``transport`` asks for one (``auto``: NCCL between workers with a GPU each)."""
-        backend = os.environ.get(DIST_BACKEND_ENV) or default_backend(self.devices)
-        if len(self.workers) < 2 or transport == "object-store" or (transport == "auto" and backend != "nccl"):
-            return None
-        import ray
-
-        address = ray.get(self.workers[0].actor.group_address.remote())
-        replies = ray.get([w.actor.join_group.remote(backend, address, w.rank, len(self.workers))
-                           for w in self.workers])
-        for reply in replies:
-            answer(reply)
-        return Group(backend, {w.rank for w in self.workers})
 
     def _rejoin(self, worker: WorkerRef) -> None:
         """Ray restarted ``worker``: it gets what every worker has (partition, agents, hints, link
@@ -329,7 +314,8 @@ class Cluster(ConfiguredEngine):
     def _measure_link(self) -> tuple[float, float]:
         live = self._router.live_workers()
         group = self._router.mover.group if self._router.mover is not None else None
-        return measure_link(live[0], live[1], group, self.bandwidth_cap, self.bytes_per_block)
+        collective = group is not None and group.joins(live[0].rank, live[1].rank)
+        return measure_link(live[0], live[1], collective, self.bandwidth_cap, self.bytes_per_block)
 
     def set_bandwidth_cap(self, cap: float | None) -> Calibration:
         """Pace KV sends at ``cap`` bytes/s (None: unpaced) and re-measure the link (tests, benchmarks)."""

@@ -14,12 +14,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from kvbaton.errors import InvalidRequest, ServerError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+if TYPE_CHECKING:
+    from .moves import Group
+    from .remote import WorkerRef
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,23 @@ def start_worker(worker_cls: Any, pg: PlacementGroup, index: int, device: str, *
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         runtime_env={"env_vars": env} if env else None,
     ).remote(*args)
+
+
+def form_group(workers: Sequence[WorkerRef], devices: Sequence[str], transport: str) -> Group | None:
+    """The torch.distributed group inside the actors (as vLLM's Ray executor forms its own), when
+    ``transport`` asks for one (``auto``: NCCL between workers with a GPU each; ``collective``: also
+    gloo); None: KV moves through the object store."""
+    from .moves import Group
+    from .remote import answer
+    from .worker import DIST_BACKEND_ENV, default_backend
+
+    backend = os.environ.get(DIST_BACKEND_ENV) or default_backend(list(devices))
+    if len(workers) < 2 or transport == "object-store" or (transport == "auto" and backend != "nccl"):
+        return None
+    address = ray.get(workers[0].actor.group_address.remote())
+    for reply in ray.get([w.actor.join_group.remote(backend, address, w.rank, len(workers)) for w in workers]):
+        answer(reply)
+    return Group(backend, {w.rank for w in workers})
 
 
 def stop(actors: Sequence[Any], pg: PlacementGroup | None, started_ray: bool) -> None:

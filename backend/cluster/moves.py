@@ -12,7 +12,6 @@ ignores tags, keeps one transfer per ordered pair of workers at a time.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -22,16 +21,9 @@ from kvbaton.errors import KvbatonError
 from kvbaton.handle import Handle, LineageStep, Op, Placement
 from kvbaton.types import PlacementDecision
 
-from .calibration import send_and_receive
+from .calibration import next_tag, send_and_receive
 from .costmodel import CostModel
 from .remote import WorkerLost, WorkerRef
-
-_tags = itertools.count(1)
-
-
-def next_tag() -> int:
-    """A tag of its own for one exchange over the collective group."""
-    return next(_tags)
 
 
 @dataclass
