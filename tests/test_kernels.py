@@ -359,3 +359,114 @@ def test_kernels_fit_the_default_model_and_say_which_shape_does_not(monkeypatch,
     assert kernels_fit(model) is None
     monkeypatch.setattr(model.config, field, value)
     assert reason in kernels_fit(model)
+
+
+# -- sliding windows, soft-capping, head sizes (issue 47) ---------------------------------------------------------
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+               softcap: float) -> torch.Tensor:
+    """transformers' eager attention: ``q [heads, n, d]`` over ``keys/values [kv_heads, m, d]``, ``mask [n, m]``."""
+    group = q.shape[0] // keys.shape[0]
+    scores = q @ keys.repeat_interleave(group, 0).transpose(1, 2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return weights @ values.repeat_interleave(group, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (7, 0.0), (40, 0.0), (300, 0.0), (0, 5.0), (23, 5.0)])
+def test_decode_attention_sees_only_its_window_and_soft_caps_its_scores(lib, dtype, head_dim, window, softcap):
+    """Each query (the last token of its sequence) sees its ``window`` latest keys, itself included (the window
+    starting mid-block, mid-chunk, or before the sequence), every head size the kernels are compiled for."""
+    lengths = [1, 16, 17, 300, 700]
+    g = torch.Generator().manual_seed(head_dim + window)
+    blocks = 80
+    k_pool = torch.randn(2, KV_HEADS, blocks * BLOCK, head_dim, generator=g).to(dtype)
+    v_pool = torch.randn(2, KV_HEADS, blocks * BLOCK, head_dim, generator=g).to(dtype)
+    order = torch.randperm(blocks, generator=g).tolist()
+    width = max(-(-n // BLOCK) for n in lengths)
+    tables = torch.zeros(len(lengths), width, dtype=torch.int32)
+    for s, n in enumerate(lengths):
+        count = -(-n // BLOCK)
+        tables[s, :count] = torch.tensor(order[:count])
+        order = order[count:]
+    q = torch.randn(len(lengths), HEADS, head_dim, generator=g)
+    scale = head_dim**-0.5
+    out = lib.attention(q, k_pool, v_pool, 1, tables, torch.tensor(lengths), BLOCK, scale, window, softcap)
+    for s, n in enumerate(lengths):
+        slots = torch.cat([torch.arange(BLOCK) + int(b) * BLOCK for b in tables[s, : -(-n // BLOCK)]])[:n]
+        keys, values = k_pool[1][:, slots].float(), v_pool[1][:, slots].float()
+        seen = torch.arange(n) > n - 1 - window if window else torch.ones(n, dtype=torch.bool)
+        expected = _reference(q[s][:, None], keys, values, seen[None], scale, softcap)
+        torch.testing.assert_close(out[s], expected.reshape(-1), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+@pytest.mark.parametrize(("cached", "new", "window", "softcap", "scattered"), [
+    (0, 300, 50, 0.0, False), (100, 37, 64, 0.0, False), (700, 2, 16, 0.0, False), (0, 90, 0, 3.0, False),
+    (17, 150, 70, 3.0, False), (0, 300, 0, 0.0, False), (0, 400, 30, 0.0, True), (0, 300, 100, 4.0, True),
+])
+def test_prefill_attention_sees_only_its_window_and_soft_caps_its_scores(lib, head_dim, cached, new, window, softcap,
+                                                                          scattered):
+    """A chunk behind cached tokens (or tokens at scattered positions): query at position p sees keys
+    ``max(0, p - window + 1)..p``, whole key tiles before a query block's windows skipped, rows with no key in
+    a tile left alone."""
+    g = torch.Generator().manual_seed(cached + new + head_dim + window)
+    blocks = 80
+    k_pool = torch.randn(2, KV_HEADS, blocks * BLOCK, head_dim, generator=g)
+    v_pool = torch.randn(2, KV_HEADS, blocks * BLOCK, head_dim, generator=g)
+    total = cached + new
+    order = torch.randperm(blocks, generator=g)
+    slots = (order[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:total].contiguous()
+    if scattered:
+        positions = torch.cat((torch.randperm(total - 1, generator=g)[: new // 4 - 1].sort().values,
+                               torch.tensor([total - 1])))
+    else:
+        positions = torch.arange(cached, total)
+    q = torch.randn(positions.numel(), HEADS, head_dim, generator=g)
+    keys = torch.arange(total)[None, :]
+    mask = keys <= positions[:, None]
+    if window:
+        mask &= keys > positions[:, None] - window
+    scale = head_dim**-0.5
+    expected = _reference(q.transpose(0, 1), k_pool[1][:, slots], v_pool[1][:, slots], mask, scale, softcap)
+    got = lib.prefill_attention(q, k_pool, v_pool, 1, slots, 0, total, scale,
+                                positions if scattered else torch.empty(0, dtype=torch.long), window, softcap)
+    torch.testing.assert_close(got, expected.transpose(0, 1), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+def test_head_norm_normalises_each_q_and_k_head_and_leaves_v(lib, weight_dtype):
+    """Qwen3 / Gemma 3 q_norm and k_norm: RMSNorm over each head, before RoPE, in place."""
+    g = torch.Generator().manual_seed(9)
+    d = 128
+    qkv = torch.randn(5, (HEADS + 2 * KV_HEADS) * d, generator=g) * 3
+    q_w, k_w = (torch.randn(d, generator=g).to(weight_dtype) for _ in range(2))
+    before = qkv.clone()
+    lib.head_norm_inplace(qkv, q_w, k_w, 1e-6, HEADS, KV_HEADS)
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    q_end, k_end = HEADS * d, (HEADS + KV_HEADS) * d
+    torch.testing.assert_close(qkv[:, :q_end].view(5, HEADS, d), rms(before[:, :q_end].view(5, HEADS, d), q_w))
+    torch.testing.assert_close(qkv[:, q_end:k_end].view(5, KV_HEADS, d),
+                               rms(before[:, q_end:k_end].view(5, KV_HEADS, d), k_w))
+    assert torch.equal(qkv[:, k_end:], before[:, k_end:])
+
+
+def test_kernel_head_sizes_are_the_registrys(lib):
+    """The head sizes the C++ dispatch handles are the ones the registry routes to it; others are refused."""
+    from kvbaton.backend.models.paths import KERNEL_HEAD_DIMS
+
+    for d in (*KERNEL_HEAD_DIMS, 80):
+        k_pool = torch.zeros(1, 1, BLOCK, d)
+        call = lambda: lib.attention(torch.zeros(1, 1, d), k_pool, k_pool, 0,  # noqa: E731
+                                     torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3]), BLOCK, 1.0)
+        if d in KERNEL_HEAD_DIMS:
+            call()
+        else:
+            with pytest.raises(RuntimeError, match="head_dim must be"):
+                call()

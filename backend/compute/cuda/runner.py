@@ -43,8 +43,9 @@ import numpy as np
 import torch
 
 from ...cache.block_pool import BlockPool
+from ...models import architecture_of
+from ...models.paths import CUDA_GRAPHS
 from ..attention import SDPA
-from ..cpu.fast_decode import unsupported_reason
 from ..eager import EagerRunner, separate
 from ..loader import LoadedModel
 from ..runner import Chunk, ModelRunner, RunnerUnavailable
@@ -70,7 +71,8 @@ def unavailable_reason(loaded: LoadedModel) -> str | None:
         return "no CUDA device here (torch.cuda.is_available() is False)"
     if os.environ.get(RUNNER_ENV, "1") == "0":
         return f"turned off by {RUNNER_ENV}=0"
-    return unsupported_reason(loaded.model) or triton_missing()
+    # The registry says which families the step implements (the others run on the eager runner, exactly).
+    return CUDA_GRAPHS.refusal(loaded.arch or architecture_of(loaded.model)) or triton_missing()
 
 
 @dataclass

@@ -363,6 +363,27 @@ void rope_inplace(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Ten
   });
 }
 
+// RMSNorm of every q head (q_weight) and k head (k_weight) of the rows of qkv = [q heads | k heads | v heads],
+// in place, before RoPE (Qwen3's and Gemma 3's q_norm / k_norm): rms_norm's arithmetic, per head.
+void head_norm_inplace(torch::Tensor& qkv, const torch::Tensor& q_weight, const torch::Tensor& k_weight, double eps,
+                       int64_t heads, int64_t kv_heads) {
+  check_f32(qkv, "qkv");
+  const int64_t n = qkv.size(0), width = qkv.size(1), d = q_weight.numel();
+  TORCH_CHECK(qkv.dim() == 2 && k_weight.numel() == d && width == (heads + 2 * kv_heads) * d, "qkv must be [n, (heads + 2 * kv_heads) * head_dim]");
+  TORCH_CHECK(q_weight.is_contiguous() && k_weight.is_contiguous() && q_weight.scalar_type() == k_weight.scalar_type(), "norm weights");
+  const bool bf16 = q_weight.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || q_weight.scalar_type() == torch::kFloat32, "norm weights must be fp32 or bf16");
+  at::parallel_for(0, n, kParallelRows, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        float* x = ptr<float>(qkv) + r * width + h * d;
+        const torch::Tensor& w = h < heads ? q_weight : k_weight;
+        if (bf16) norm_row(x, ptr<c10::BFloat16>(w), d, eps, x);
+        else norm_row(x, ptr<float>(w), d, eps, x);
+      }
+  });
+}
+
 // silu(gate) * up for x = [gate | up] of each row. Many rows (prefill) are split across threads;
 // every row is computed the same way either way.
 torch::Tensor silu_mul(const torch::Tensor& x) {
@@ -401,18 +422,24 @@ inline const float* as_float(const c10::BFloat16* p, int64_t count, float* buf) 
   return buf;
 }
 
-// One task: the `group` query heads of kv head g of sequence s over tokens [t0, t1), t0 a multiple
-// of the block size. Writes the un-normalised output acc[group, d], its max m[group], sum l[group].
-// DV = d / 16 vectors per head, a compile-time constant so a head's accumulators stay in registers.
+// The pool offset of token t of a sequence (its block from the table, its row in the block), in elements.
+inline int64_t token_at(const int32_t* table, int64_t block_size, int64_t t, int64_t d) {
+  return (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * d;
+}
+
+// One task: the `group` query heads of kv head g of sequence s over tokens [t0, t1) (t0 anywhere: a sliding
+// window starts mid-block). Writes the un-normalised output acc[group, d], its max m[group], sum l[group].
+// DV = d / 16 vectors per head, a compile-time constant so a head's accumulators stay in registers. cap > 0:
+// each score becomes cap * tanh(score / cap) (soft-capping, Gemma 2), in transformers' order.
 template <typename KV, int DV>
 void attend_chunk(const float* q, const KV* kbase, const KV* vbase, const int32_t* table, int64_t block_size,
-                  int64_t t0, int64_t t1, int64_t group, float scale, float* acc, float* m, float* l) {
+                  int64_t t0, int64_t t1, int64_t group, float scale, float cap, float* acc, float* m, float* l) {
   constexpr int64_t d = DV * kLanes;
   const int64_t len = t1 - t0;
   std::vector<float> scores(group * len), buf(block_size * d);
   for (int64_t t = t0; t < t1;) {  // block by block: a block's keys of this head are contiguous
-    const int64_t in_block = std::min(block_size, t1 - t);
-    const float* k = as_float(kbase + static_cast<int64_t>(table[t / block_size]) * block_size * d, in_block * d, buf.data());
+    const int64_t in_block = std::min(block_size - t % block_size, t1 - t);
+    const float* k = as_float(kbase + token_at(table, block_size, t, d), in_block * d, buf.data());
     for (int64_t i = 0; i < in_block; ++i, k += d) {
       vf kv[DV];
       for (int j = 0; j < DV; ++j) kv[j] = load(k + j * kLanes);
@@ -420,7 +447,9 @@ void attend_chunk(const float* q, const KV* kbase, const KV* vbase, const int32_
         const float* qh = q + h * d;
         vf a = load(qh) * kv[0];
         for (int j = 1; j < DV; ++j) a += load(qh + j * kLanes) * kv[j];
-        scores[h * len + (t - t0) + i] = hsum_tree(a) * scale;
+        float score = hsum_tree(a) * scale;
+        if (cap > 0.f) score = std::tanh(score / cap) * cap;
+        scores[h * len + (t - t0) + i] = score;
       }
     }
     t += in_block;
@@ -439,8 +468,8 @@ void attend_chunk(const float* q, const KV* kbase, const KV* vbase, const int32_
   }
   for (int64_t i = 0; i < group * d; ++i) acc[i] = 0.f;
   for (int64_t t = t0; t < t1;) {
-    const int64_t in_block = std::min(block_size, t1 - t);
-    const float* v = as_float(vbase + static_cast<int64_t>(table[t / block_size]) * block_size * d, in_block * d, buf.data());
+    const int64_t in_block = std::min(block_size - t % block_size, t1 - t);
+    const float* v = as_float(vbase + token_at(table, block_size, t, d), in_block * d, buf.data());
     for (int64_t h = 0; h < group; ++h) {  // the block's values stay in L1 across the heads
       const float* p = scores.data() + h * len + (t - t0);
       vf a[DV];
@@ -456,11 +485,14 @@ void attend_chunk(const float* q, const KV* kbase, const KV* vbase, const int32_
 template <typename KV>
 void attention_impl(const float* q, const KV* kp, const KV* vp, int64_t layer, const int32_t* tables, int64_t max_blocks,
                     const int64_t* lengths, int64_t n, int64_t heads, int64_t kv_heads, int64_t d, int64_t pool_slots,
-                    int64_t block_size, float scale, float* out) {
+                    int64_t block_size, float scale, int64_t window, float cap, float* out) {
   const int64_t group = heads / kv_heads;
   const int64_t chunk = std::max<int64_t>(1, kChunk / block_size) * block_size;
+  // A sliding window: the query (the last token) sees its `window` latest keys, itself included.
+  auto first_key = [&](int64_t s) { return window > 0 && lengths[s] > window ? lengths[s] - window : int64_t{0}; };
+  auto chunks_of = [&](int64_t s) { return (lengths[s] - first_key(s) + chunk - 1) / chunk; };
   std::vector<int64_t> first(n + 1, 0);  // task index of each sequence's first chunk
-  for (int64_t s = 0; s < n; ++s) first[s + 1] = first[s] + kv_heads * ((lengths[s] + chunk - 1) / chunk);
+  for (int64_t s = 0; s < n; ++s) first[s + 1] = first[s] + kv_heads * chunks_of(s);
   const int64_t tasks = first[n];
   std::vector<float> acc(tasks * group * d), m(tasks * group), l(tasks * group);
   std::vector<int64_t> task_seq(tasks);
@@ -468,21 +500,23 @@ void attention_impl(const float* q, const KV* kp, const KV* vp, int64_t layer, c
   at::parallel_for(0, tasks, 1, [&](int64_t a, int64_t b) {
     for (int64_t task = a; task < b; ++task) {
       const int64_t s = task_seq[task], local = task - first[s];
-      const int64_t chunks = (lengths[s] + chunk - 1) / chunk;
+      const int64_t chunks = chunks_of(s);
       const int64_t g = local / chunks, c = local % chunks;
-      const int64_t t0 = c * chunk, t1 = std::min(lengths[s], t0 + chunk);
+      const int64_t t0 = first_key(s) + c * chunk, t1 = std::min(lengths[s], t0 + chunk);
       const int64_t base = (layer * kv_heads + g) * pool_slots * d;
       const float* qs = q + (s * heads + g * group) * d;
       const int32_t* table = tables + s * max_blocks;
       float *a_out = acc.data() + task * group * d, *m_out = m.data() + task * group, *l_out = l.data() + task * group;
-      if (d == 64)
-        attend_chunk<KV, 4>(qs, kp + base, vp + base, table, block_size, t0, t1, group, scale, a_out, m_out, l_out);
-      else
-        attend_chunk<KV, 8>(qs, kp + base, vp + base, table, block_size, t0, t1, group, scale, a_out, m_out, l_out);
+      switch (d) {
+        case 64: attend_chunk<KV, 4>(qs, kp + base, vp + base, table, block_size, t0, t1, group, scale, cap, a_out, m_out, l_out); break;
+        case 96: attend_chunk<KV, 6>(qs, kp + base, vp + base, table, block_size, t0, t1, group, scale, cap, a_out, m_out, l_out); break;
+        case 128: attend_chunk<KV, 8>(qs, kp + base, vp + base, table, block_size, t0, t1, group, scale, cap, a_out, m_out, l_out); break;
+        default: attend_chunk<KV, 16>(qs, kp + base, vp + base, table, block_size, t0, t1, group, scale, cap, a_out, m_out, l_out);
+      }
     }
   });
   for (int64_t s = 0; s < n; ++s) {
-    const int64_t chunks = (lengths[s] + chunk - 1) / chunk;
+    const int64_t chunks = chunks_of(s);
     for (int64_t g = 0; g < kv_heads; ++g) {
       const int64_t t_first = first[s] + g * chunks;
       for (int64_t h = 0; h < group; ++h) {
@@ -503,18 +537,24 @@ void attention_impl(const float* q, const KV* kp, const KV* vp, int64_t layer, c
   }
 }
 
+// Head sizes the attention kernels are compiled for (kvbaton.backend.models.paths.KERNEL_HEAD_DIMS).
+inline bool kernel_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 256; }
+
 // Decode attention of one new query per sequence over its paged context: q [n, heads, d];
 // tables [n, max_blocks] int32 block ids; lengths [n] tokens to attend (including the new one).
+// window > 0: each query sees only its `window` latest keys (a sliding window); softcap > 0: soft-capped scores.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool, int64_t layer,
-                        const torch::Tensor& tables, const torch::Tensor& lengths, int64_t block_size, double scale) {
+                        const torch::Tensor& tables, const torch::Tensor& lengths, int64_t block_size, double scale,
+                        int64_t window, double softcap) {
   check_f32(q, "q");
   check_pools(k_pool, v_pool);
   TORCH_CHECK(tables.scalar_type() == torch::kInt32 && tables.is_contiguous() && tables.dim() == 2, "tables must be int32 [n, blocks]");
   TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.is_contiguous(), "lengths must be int64");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_pool.size(1), pool_slots = k_pool.size(2), max_blocks = tables.size(1);
-  TORCH_CHECK(k_pool.size(3) == d && (d == 64 || d == 128) && heads % kv_heads == 0, "head_dim must be 64 or 128");
+  TORCH_CHECK(k_pool.size(3) == d && kernel_head_dim(d) && heads % kv_heads == 0, "head_dim must be 64, 96, 128 or 256");
   TORCH_CHECK(tables.size(0) == n && lengths.numel() == n, "one table and length per query");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   TORCH_CHECK(layer >= 0 && layer < k_pool.size(0), "layer out of range");
   const int64_t* len = ptr<int64_t>(lengths);
   const int32_t* tab = ptr<int32_t>(tables);
@@ -526,10 +566,12 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_pool, con
   auto out = torch::empty({n, heads * d}, q.options());
   if (k_pool.scalar_type() == torch::kBFloat16)
     attention_impl(ptr<float>(q), ptr<c10::BFloat16>(k_pool), ptr<c10::BFloat16>(v_pool), layer, tab, max_blocks, len, n,
-                   heads, kv_heads, d, pool_slots, block_size, static_cast<float>(scale), ptr<float>(out));
+                   heads, kv_heads, d, pool_slots, block_size, static_cast<float>(scale), window,
+                   static_cast<float>(softcap), ptr<float>(out));
   else
     attention_impl(ptr<float>(q), ptr<float>(k_pool), ptr<float>(v_pool), layer, tab, max_blocks, len, n, heads,
-                   kv_heads, d, pool_slots, block_size, static_cast<float>(scale), ptr<float>(out));
+                   kv_heads, d, pool_slots, block_size, static_cast<float>(scale), window, static_cast<float>(softcap),
+                   ptr<float>(out));
   return out;
 }
 
@@ -559,14 +601,15 @@ inline float hmax(vf v) {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// Scores of MR rows against one key tile (Kt: [d][64], keys transposed), scaled and masked, then the
-// online-softmax step while they are still in registers: P = exp(s - m_new) into P, and per row the
-// running max m, sum l and the factor alpha = exp(m_old - m_new) the row's output must be rescaled by.
+// Scores of MR rows against one key tile (Kt: [d][64], keys transposed), scaled (soft-capped when cap > 0)
+// and masked (row r sees keys lower[r]..limit[r]), then the online-softmax step while they are still in
+// registers: P = exp(s - m_new) into P, and per row the running max m, sum l and the factor
+// alpha = exp(m_old - m_new) the row's output must be rescaled by.
 // noinline: compiled alone, the tile keeps its operands in registers.
 template <int MR>
-__attribute__((noinline)) void score_tile(const float* q, int64_t d, const float* kt, float scale, int64_t k0,
-                                          bool masked, const int64_t* limit, float* p, float* m, float* l,
-                                          float* alpha) {
+__attribute__((noinline)) void score_tile(const float* q, int64_t d, const float* kt, float scale, float cap,
+                                          int64_t k0, bool masked, const int64_t* limit, const int64_t* lower,
+                                          float* p, float* m, float* l, float* alpha) {
   vf acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = vf{};
@@ -584,13 +627,23 @@ __attribute__((noinline)) void score_tile(const float* q, int64_t d, const float
     vf mx = ninf;
     for (int c = 0; c < 4; ++c) {
       acc[r][c] *= scale;
+      if (cap > 0.f)
+        for (int i = 0; i < kLanes; ++i) acc[r][c][i] = std::tanh(acc[r][c][i] / cap) * cap;
       if (masked) {
-        const vi seen = (lane + static_cast<int32_t>(k0 + c * kLanes)) <= static_cast<int32_t>(limit[r]);
+        const vi key = lane + static_cast<int32_t>(k0 + c * kLanes);
+        const vi seen = (key <= static_cast<int32_t>(limit[r])) & (key >= static_cast<int32_t>(lower[r]));
         acc[r][c] = seen ? acc[r][c] : ninf;
       }
       mx = acc[r][c] > mx ? acc[r][c] : mx;
     }
-    const float m_new = std::max(m[r], hmax(mx));  // finite: every row sees key 0 in the first tile
+    // Causal rows see key 0 in their first tile; a row of a sliding window may see none of a tile's keys
+    // (they are all before its window): nothing to add, and exp(-inf - -inf) must not run.
+    const float m_new = std::max(m[r], hmax(mx));
+    if (m_new == -std::numeric_limits<float>::infinity()) {
+      std::memset(p + r * kBK, 0, kBK * sizeof(float));
+      alpha[r] = 1.f;
+      continue;
+    }
     const float a = m_new == m[r] ? 1.f : std::exp(m[r] - m_new);
     vf sum = {};
     for (int c = 0; c < 4; ++c) {
@@ -627,14 +680,19 @@ __attribute__((noinline)) void value_tile(const float* p, int64_t keys, const fl
 template <typename KV, int DV>
 void prefill_attention_impl(const float* q, int64_t q_tok, int64_t q_head, const KV* kp, const KV* vp, int64_t layer,
                             const int64_t* slots, int64_t first_slot, int64_t kv_len, int64_t n, int64_t heads,
-                            int64_t kv_heads, int64_t pool_slots, float scale, const int64_t* positions, float* out) {
+                            int64_t kv_heads, int64_t pool_slots, float scale, const int64_t* positions, int64_t window,
+                            float cap, float* out) {
   constexpr int64_t d = DV * kLanes;
-  constexpr int VMR = DV == 4 ? kMR : 2;  // rows per value micro-tile: its accumulators fit the registers
+  // rows per value micro-tile: its accumulators (VMR x DV vectors) and a key's DV vectors fit the registers
+  constexpr int VMR = DV <= 4 ? kMR : (DV <= 8 ? 2 : 1);
   const int64_t group = heads / kv_heads, start = kv_len - n;
   // The position of query i among the keys (it sees keys 0..at(i)): the last n positions, or the
-  // given ascending ones (selective recomputation: queries scattered among cached tokens).
+  // given ascending ones (selective recomputation: queries scattered among cached tokens). With a
+  // sliding window it sees only keys lower(i)..at(i), its `window` latest.
   auto at = [&](int64_t i) { return positions != nullptr ? positions[i] : start + i; };
-  const int64_t tiles = (kv_len + kBK - 1) / kBK, padded = tiles * kBK;
+  auto lower = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, at(i) - window + 1) : int64_t{0}; };
+  // Key tiles from the first one any query sees: tile t holds keys t * 64.. (as without a window).
+  const int64_t first_tile = lower(0) / kBK, tiles = (kv_len + kBK - 1) / kBK - first_tile, padded = tiles * kBK;
   // The sequence's K (transposed per key tile, [g][tile][d][64]) and V ([g][key][d]) in fp32, zero
   // padded to whole tiles: gathered once through the slots, shared by every query block.
   std::unique_ptr<float[]> kt(new float[kv_heads * padded * d]), vg(new float[kv_heads * padded * d]);
@@ -645,7 +703,7 @@ void prefill_attention_impl(const float* q, int64_t q_tok, int64_t q_head, const
       float* kdst = kt.get() + (g * tiles + tile) * d * kBK;
       float* vdst = vg.get() + (g * padded + tile * kBK) * d;
       for (int64_t i = 0; i < kBK; ++i) {
-        const int64_t t = tile * kBK + i;
+        const int64_t t = (first_tile + tile) * kBK + i;
         if (t < kv_len) {
           const int64_t slot = slots != nullptr ? slots[t] : first_slot + t;
           const KV* ks = kp + (base + slot) * d;
@@ -663,7 +721,7 @@ void prefill_attention_impl(const float* q, int64_t q_tok, int64_t q_head, const
   // One worker per thread taking tasks off a shared counter, latest query blocks (most keys) first.
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> qt(max_rows * d), p(max_rows * kBK), acc(max_rows * d), m(max_rows), l(max_rows), alpha(max_rows);
-    std::vector<int64_t> limit(max_rows);
+    std::vector<int64_t> limit(max_rows), low(max_rows);
     for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
       const int64_t block = blocks - 1 - task / kv_heads, g = task % kv_heads;
       const int64_t i0 = block * kBQ, np = std::min(kBQ, n - i0);
@@ -672,25 +730,30 @@ void prefill_attention_impl(const float* q, int64_t q_tok, int64_t q_head, const
         for (int64_t i = 0; i < np; ++i) {
           std::memcpy(qt.data() + (h * np + i) * d, q + (i0 + i) * q_tok + (g * group + h) * q_head, d * sizeof(float));
           limit[h * np + i] = at(i0 + i);
+          low[h * np + i] = lower(i0 + i);
         }
       for (int64_t r = rows; r < prows; ++r) {  // padding rows: zero queries, never written out
         std::memset(qt.data() + r * d, 0, d * sizeof(float));
         limit[r] = at(i0);
+        low[r] = lower(i0);
       }
       std::fill(acc.begin(), acc.begin() + prows * d, 0.f);
       std::fill(m.begin(), m.begin() + prows, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + prows, 0.f);
-      const int64_t last = at(i0 + np - 1);  // the block's last query sees keys 0..last
+      const int64_t last = at(i0 + np - 1);  // the block's last query sees keys ..last
+      const int64_t highest_low = lower(i0 + np - 1);  // and its first query keys lower(i0)..
       const float* kt_g = kt.get() + g * tiles * d * kBK;
       const float* v_g = vg.get() + g * padded * d;
-      for (int64_t tile = 0, k0 = 0; k0 <= last; ++tile, k0 += kBK) {
-        const bool masked = k0 + kBK - 1 > at(i0);  // some key of the tile is past some row's limit
+      for (int64_t tile = lower(i0) / kBK - first_tile, k0 = (first_tile + tile) * kBK; k0 <= last; ++tile, k0 += kBK) {
+        // some key of the tile is past some row's limit, or before some row's window
+        const bool masked = k0 + kBK - 1 > at(i0) || k0 < highest_low;
         const int64_t keys = std::min(kBK, last + 1 - k0);
         for (int64_t r = 0; r < prows; r += kMR)
-          score_tile<kMR>(qt.data() + r * d, d, kt_g + tile * d * kBK, scale, k0, masked, limit.data() + r,
-                          p.data() + r * kBK, m.data() + r, l.data() + r, alpha.data() + r);
+          score_tile<kMR>(qt.data() + r * d, d, kt_g + tile * d * kBK, scale, cap, k0, masked, limit.data() + r,
+                          low.data() + r, p.data() + r * kBK, m.data() + r, l.data() + r, alpha.data() + r);
         for (int64_t r = 0; r < prows; r += VMR)
-          value_tile<VMR, DV>(p.data() + r * kBK, keys, v_g + k0 * d, alpha.data() + r, acc.data() + r * d);
+          value_tile<VMR, DV>(p.data() + r * kBK, keys, v_g + (k0 - first_tile * kBK) * d, alpha.data() + r,
+                              acc.data() + r * d);
       }
       for (int64_t h = 0; h < group; ++h)
         for (int64_t i = 0; i < np; ++i) {
@@ -703,21 +766,40 @@ void prefill_attention_impl(const float* q, int64_t q_tok, int64_t q_head, const
   });
 }
 
+template <typename KV>
+void prefill_dispatch(const float* q, int64_t q_tok, int64_t q_head, const KV* kp, const KV* vp, int64_t layer,
+                      const int64_t* slots, int64_t first_slot, int64_t kv_len, int64_t n, int64_t heads,
+                      int64_t kv_heads, int64_t pool_slots, float scale, const int64_t* positions, int64_t window,
+                      float cap, int64_t d, float* out) {
+  switch (d) {
+    case 64: prefill_attention_impl<KV, 4>(q, q_tok, q_head, kp, vp, layer, slots, first_slot, kv_len, n, heads,
+                                           kv_heads, pool_slots, scale, positions, window, cap, out); break;
+    case 96: prefill_attention_impl<KV, 6>(q, q_tok, q_head, kp, vp, layer, slots, first_slot, kv_len, n, heads,
+                                           kv_heads, pool_slots, scale, positions, window, cap, out); break;
+    case 128: prefill_attention_impl<KV, 8>(q, q_tok, q_head, kp, vp, layer, slots, first_slot, kv_len, n, heads,
+                                            kv_heads, pool_slots, scale, positions, window, cap, out); break;
+    default: prefill_attention_impl<KV, 16>(q, q_tok, q_head, kp, vp, layer, slots, first_slot, kv_len, n, heads,
+                                            kv_heads, pool_slots, scale, positions, window, cap, out);
+  }
+}
+
 // q: [n, heads, d] fp32 (any strides, d contiguous), the queries of the last n of kv_len tokens, already
 // rotated, or of the ascending `positions` ([n] int64, the last one kv_len - 1) when given; their K/V
 // (and every other token's up to kv_len) are in the pool at `slots` ([kv_len] int64), or at first_slot..
-// when slots is empty. Query i sees keys 0..its position. Returns [n, heads, d].
+// when slots is empty. Query i sees keys 0..its position (window > 0: only its `window` latest); softcap > 0:
+// soft-capped scores. Returns [n, heads, d].
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                 int64_t layer, const torch::Tensor& slots, int64_t first_slot, int64_t kv_len,
-                                double scale, const torch::Tensor& positions) {
+                                double scale, const torch::Tensor& positions, int64_t window, double softcap) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 3 && q.stride(2) == 1 && q.device().is_cpu(),
               "q must be fp32 [n, heads, head_dim] with contiguous head_dim");
   check_pools(k_pool, v_pool);
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_pool.size(1), pool_slots = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == d && (d == 64 || d == 128) && heads % kv_heads == 0, "head_dim must be 64 or 128");
+  TORCH_CHECK(k_pool.size(3) == d && kernel_head_dim(d) && heads % kv_heads == 0, "head_dim must be 64, 96, 128 or 256");
   TORCH_CHECK(layer >= 0 && layer < k_pool.size(0), "layer out of range");
   TORCH_CHECK(n >= 1 && kv_len >= n, "kv_len must cover the queries");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   const int64_t* sl = nullptr;
   if (slots.numel() > 0) {
     TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == kv_len, "slots");
@@ -735,24 +817,15 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_p
     for (int64_t i = 1; i < n; ++i) TORCH_CHECK(pos[i] > pos[i - 1], "positions must ascend");
   }
   auto out = torch::empty({n, heads, d}, q.options());
-  const float s = static_cast<float>(scale);
-  if (k_pool.scalar_type() == torch::kBFloat16) {
-    auto k = ptr<c10::BFloat16>(k_pool), v = ptr<c10::BFloat16>(v_pool);
-    if (d == 64)
-      prefill_attention_impl<c10::BFloat16, 4>(ptr<float>(q), q.stride(0), q.stride(1), k, v, layer, sl, first_slot,
-                                               kv_len, n, heads, kv_heads, pool_slots, s, pos, ptr<float>(out));
-    else
-      prefill_attention_impl<c10::BFloat16, 8>(ptr<float>(q), q.stride(0), q.stride(1), k, v, layer, sl, first_slot,
-                                               kv_len, n, heads, kv_heads, pool_slots, s, pos, ptr<float>(out));
-  } else {
+  const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  if (k_pool.scalar_type() == torch::kBFloat16)
+    prefill_dispatch(ptr<float>(q), q.stride(0), q.stride(1), ptr<c10::BFloat16>(k_pool), ptr<c10::BFloat16>(v_pool),
+                     layer, sl, first_slot, kv_len, n, heads, kv_heads, pool_slots, s, pos, window, cap, d,
+                     ptr<float>(out));
+  else {
     TORCH_CHECK(k_pool.scalar_type() == torch::kFloat32, "pool must be fp32 or bf16");
-    auto k = ptr<float>(k_pool), v = ptr<float>(v_pool);
-    if (d == 64)
-      prefill_attention_impl<float, 4>(ptr<float>(q), q.stride(0), q.stride(1), k, v, layer, sl, first_slot, kv_len,
-                                       n, heads, kv_heads, pool_slots, s, pos, ptr<float>(out));
-    else
-      prefill_attention_impl<float, 8>(ptr<float>(q), q.stride(0), q.stride(1), k, v, layer, sl, first_slot, kv_len,
-                                       n, heads, kv_heads, pool_slots, s, pos, ptr<float>(out));
+    prefill_dispatch(ptr<float>(q), q.stride(0), q.stride(1), ptr<float>(k_pool), ptr<float>(v_pool), layer, sl,
+                     first_slot, kv_len, n, heads, kv_heads, pool_slots, s, pos, window, cap, d, ptr<float>(out));
   }
   return out;
 }
@@ -767,10 +840,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta in place, then RMSNorm of it");
   m.def("rope_write", &rope_write, "rotate q/k, write k/v into the pool, return rotated q");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("attention", &attention, "decode attention over paged K/V");
+  m.def("attention", &attention, "decode attention over paged K/V", py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
+        py::arg("layer"), py::arg("tables"), py::arg("lengths"), py::arg("block_size"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("head_norm_inplace", &head_norm_inplace, "RMSNorm of each q and k head of qkv rows, in place");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of many rows, vectorized and threaded (prefill)");
   m.def("rope_inplace", &rope_inplace, "rotate the q and k heads of qkv rows in place");
   m.def("prefill_attention", &prefill_attention, "causal attention of new (or scattered) tokens over paged K/V",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("layer"), py::arg("slots"), py::arg("first_slot"),
-        py::arg("kv_len"), py::arg("scale"), py::arg("positions") = torch::empty({0}, torch::kInt64));
+        py::arg("kv_len"), py::arg("scale"), py::arg("positions") = torch::empty({0}, torch::kInt64),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
 }
