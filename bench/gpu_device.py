@@ -1,6 +1,9 @@
 """The GPU benchmark's ``device`` phase (:mod:`kvbaton.bench.gpu`): the GPU's two ceilings (a large
 device-to-device copy, a large bf16 matrix product) and the CUDA runner's attention kernels (and FlashAttention
-varlen) against the torch reference on fresh random data, in fp32 and bf16, with their times. CUDA only.
+varlen) against the torch reference on fresh random data, in fp32 and bf16, with their times; then each kind of
+local prefill attention the runner may pick (``ops.LOCAL_KINDS``: SDPA's cuDNN and FlashAttention backends...)
+on one fresh prompt of 4K, 16K and 32K tokens with the 1B and 8B shapes' heads, timed (and their agreement with
+the first kind that ran), which is the attention of a long prompt's first chunk. CUDA only.
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ def device_phase(bench: Bench, phase: Phase) -> None:
     free_memory(bench.device)
     phase.check("the kernel checks")
     phase.out["kernels"] = kernel_checks(device, do_bench)
+    free_memory(bench.device)
+    phase.check("local prefill attention at long context")
+    phase.out["local_attention"] = []
+    for heads, kv_heads, d in ((32, 8, 64), (32, 8, 128)):
+        for n in (4096, 16384, 32768):
+            phase.check(f"local prefill attention over {n} tokens, head size {d}")
+            phase.out["local_attention"] += local_checks(device, do_bench, heads, kv_heads, d, n)
+            phase.save()
+            free_memory(bench.device)
 
 
 def ceilings(device: torch.device, do_bench: Callable[..., float]) -> dict[str, float]:
@@ -114,6 +126,39 @@ def _prefill_checks(gen: torch.Generator, device: torch.device, dtype: torch.dty
         except Exception as exc:  # noqa: BLE001 - recorded: the runner then prefills with the Triton kernel
             out.append({"kernel": "prefill (flash varlen)", "dtype": str(dtype), "heads": [heads, kv_heads, d],
                         "error": None, "failed": f"{type(exc).__name__}: {exc}"})
+    return out
+
+
+def local_checks(device: torch.device, do_bench: Callable[..., float], heads: int, kv_heads: int, d: int,
+                 n: int) -> list[dict[str, Any]]:
+    """Every local prefill attention kind on one fresh bf16 prompt of ``n`` tokens: its median time, its
+    attention TFLOP/s (causal: 2 n^2 heads d), its relative difference from the first kind that ran."""
+    from kvbaton.backend.compute.cuda.ops import LOCAL_KINDS, local_attention
+    from kvbaton.backend.compute.cuda.step import StepBatch
+
+    gen = torch.Generator().manual_seed(n + d)
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(torch.bfloat16).to(device) for h in (heads, kv_heads, kv_heads))
+    ints = {"dtype": torch.int32, "device": device}
+    batch = StepBatch(input_ids=torch.zeros(n, **ints), positions=torch.arange(n, **ints),
+                      slots=torch.zeros(n, **ints), block_tables=torch.zeros(1, 1, **ints),
+                      context_lens=torch.tensor([n], **ints), block_size=16, cu_q=torch.tensor([0, n], **ints),
+                      max_q=n, local=True, q_bounds=(0, n))
+    flops = 2.0 * n * n * heads * d
+    out, first = [], None
+    for kind in LOCAL_KINDS:
+        entry: dict[str, Any] = {"kind": kind, "tokens": n, "heads": [heads, kv_heads, d]}
+        try:
+            got = local_attention(kind, q, k, v, batch, d**-0.5)
+            ms = do_bench(lambda kind=kind: local_attention(kind, q, k, v, batch, d**-0.5), warmup=5, rep=30,
+                          return_mode="median")
+            entry.update(ms=ms, tflops=flops / (ms / 1000) / 1e12)
+            if first is None:
+                first = got
+            else:
+                entry["vs_first"] = _relative(got, first)
+        except Exception as exc:  # noqa: BLE001 - a backend this GPU or build lacks: recorded
+            entry["failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        out.append(entry)
     return out
 
 

@@ -1,7 +1,8 @@
 """The GPU benchmark's ``exactness`` phase (:mod:`kvbaton.bench.gpu`): on the peaked fp32 checkpoint, the greedy
-tokens of dense prefill, resume from a handle, forks decoded concurrently, chunked prefill, prefix-cache hits
-and a batch of concurrent requests, each against transformers' ``generate``; decode replayed from CUDA graphs
-against the same step run eagerly. Each check records whether it is token-identical and where it first differs.
+tokens of dense prefill, resume from a handle (its question as rows of the decode step), forks decoded
+concurrently, chunked prefill, prefix-cache hits, a prefix loaded back from the host tier and a batch of
+concurrent requests, each against transformers' ``generate``; decode replayed from CUDA graphs against the same
+step run eagerly. Each check records whether it is token-identical and where it first differs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,31 @@ from kvbaton.bench.gpu_harness import (
     hf_greedy,
     random_tokens,
 )
+
+
+def host_tier_check(bench: Bench, ckpt: Any, vocab: int, check: Callable[..., None]) -> None:
+    """A prompt's blocks evicted to the host tier by two others (the device pool holds one prompt), then the
+    prompt again: its prefix comes back from the tier (the slab, the batched copies), and its tokens must be
+    the reference's."""
+    from kvbaton.backend import Engine, load_model
+
+    device, steps = bench.device, bench.plan.exact_steps
+    n = max(64, max(bench.plan.exact_lengths) // 4)  # whole blocks to evict
+    engine = Engine(str(ckpt), dtype="float32", device=device, kv_budget=f"{-(-(n + steps) // 16) + 4} blocks",
+                    tiers=["host:64MiB"], prefetch=False)
+    try:
+        prompts = [random_tokens(n, vocab, seed=600 + i) for i in range(3)]
+        for prompt in prompts:
+            engine.release(engine.complete(prompt, greedy_params(2)).handle)
+        again = prompts[0] + random_tokens(4, vocab, seed=610)
+        result = engine.complete(again, greedy_params(steps))
+        loaded = engine.kv.counters.hits.get("host", 0)
+        hf = load_model(str(ckpt), dtype="float32", device=device, attn_implementation="sdpa").model
+        check(f"prefix loaded back from the host tier ({loaded} blocks, {result.timings.tokens_reused} tokens reused)",
+              again, result.token_ids, hf_greedy(hf, again, steps, device))
+        engine.release(result.handle)
+    finally:
+        engine.close()
 
 
 def exactness_phase(bench: Bench, phase: Phase) -> None:
@@ -79,6 +105,8 @@ def exactness_phase(bench: Bench, phase: Phase) -> None:
               f"({result.timings.tokens_reused} tokens reused)", prompt, result.token_ids,
               hf_greedy(hf, prompt, steps, device))
         engine.release(result.handle)
+    phase.check("a prefix loaded back from the host tier")
+    host_tier_check(bench, ckpt, vocab, check)
     phase.check("concurrent requests")
     batch = [random_tokens(10 + 37 * i, vocab, seed=200 + i) for i in range(8)]
     results = parallel([lambda p=p: engine.complete(p, greedy_params(steps)) for p in batch])

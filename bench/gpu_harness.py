@@ -1,21 +1,25 @@
 """The GPU benchmark's harness (``python -m kvbaton.bench gpu``, :mod:`kvbaton.bench.gpu`): the plan of a
-run (full or quick), phases with their own time budgets, the random-weight Llama checkpoints it builds on the
+run (full or quick), a phase's budget and results, the random-weight Llama checkpoints it builds on the
 device (the default model's tokenizer beside them), the environment it records, and the measuring helpers the
-phases share (transformers' greedy tokens, prefill and decode times; agreement of greedy tokens).
+phases share (transformers' greedy tokens, prefill and decode times, prefill FLOPs; agreement of greedy
+tokens).
 
-Invariants: a phase over its budget stops at its next ``check`` and keeps what it measured; the record is
-rewritten after every phase; the run's checkpoints are deleted at its end (``Bench.close``).
+Invariants: each phase runs in a process of its own (:mod:`.gpu_process`); it stops at its next ``check``
+once its budget is spent, keeping what it measured, and everything it measured is on disk after every check
+and every row, so a phase killed at its hard limit keeps it too. A checkpoint is written completely before
+it is marked complete, so a later phase (or, with ``--checkpoints``, a later run on the same machine) reuses
+it; the run's own checkpoints are deleted at its end (``Bench.close``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import shutil
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 from kvbaton import SamplingParams
 from kvbaton.bench import record
+from kvbaton.bench.gpu_process import Phase, PhaseOverrun  # noqa: F401 - the phases' names for them
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TOKENIZER_ENV = "KVBATON_GPU_TOKENIZER"
@@ -44,120 +49,100 @@ PEAKED_NORM = 20.0  # the final norm's weight in the exactness checkpoint: logit
 
 
 @dataclass(frozen=True)
+class SpeedPlan:
+    """What one shape's speed phase measures."""
+
+    shape: str
+    concurrency: tuple[int, ...]  # concurrent requests forked from one handle
+    hf_concurrency: int  # the largest of them transformers decodes too (its own cache of that many contexts)
+    ttft_lengths: tuple[int, ...]  # TTFT and prefill speed at these prompt lengths
+    kv_budget: str
+
+
+@dataclass(frozen=True)
 class Plan:
     """Sizes of one run: the full one for a GPU, or the quick one (tiny shapes, small sizes)."""
 
     exact_shape: str
-    speed_shapes: tuple[tuple[str, str], ...]  # (phase, shape)
+    speed: tuple[tuple[str, SpeedPlan], ...]  # (phase, what it measures)
     speed_dtype: str
-    budgets: dict[str, float]
+    budgets: dict[str, float]  # each phase's share of the run, seconds
     exact_lengths: tuple[int, ...]
     exact_steps: int
     decode_context: int
     decode_steps: int
     hf_steps: int
-    concurrency: tuple[int, ...]
     shared_context: int
     concurrent_tokens: int
-    ttft_lengths: tuple[int, ...]
-    big_chunk: int  # max_batch_tokens of the "one forward" replay engine
     repeats: int
-    workflow: tuple[tuple[str, int, int, int], ...]  # (shape, fixed_min, fixed_max, rounds), largest first
-    kv_budget: str
+    logit_prompts: int  # bf16 logit error: prompts of ``logit_tokens`` tokens, against an fp32 reference
+    logit_tokens: int
+    workflow: str  # the workflow phase's shape (WORKFLOW_SIZES), unless --workflow-shape names another
+    kv_budget: str  # the exactness phase's
+
+    @property
+    def speed_shapes(self) -> tuple[tuple[str, str], ...]:
+        return tuple((phase, sp.shape) for phase, sp in self.speed)
 
 
+# Budgets fit three runs of at most 4.5 minutes each on one lent machine (docs/development.md, "The GPU run"):
+# device + exactness + speed-1b; workflow; speed-8b.
 FULL = Plan(
-    exact_shape="135m", speed_shapes=(("speed-1b", "1b"), ("speed-8b", "8b")), speed_dtype="bfloat16",
-    budgets={"device": 35, "exactness": 75, "speed-1b": 130, "speed-8b": 110, "workflow": 110},
+    exact_shape="135m",
+    speed=(("speed-1b", SpeedPlan("1b", (8, 32, 64, 128), 128, (1024, 4096, 16384, 32768), "16GiB")),
+           ("speed-8b", SpeedPlan("8b", (64,), 64, (4096, 16384, 32768), "8GiB"))),
+    speed_dtype="bfloat16", budgets={"device": 30, "exactness": 70, "speed-1b": 125, "speed-8b": 165, "workflow": 165},
     exact_lengths=(1, 17, 100, 1000, 4000), exact_steps=24, decode_context=512, decode_steps=128, hf_steps=24,
-    concurrency=(8, 32, 64, 128), shared_context=2048, concurrent_tokens=128, ttft_lengths=(1024, 4096, 16384, 32768),
-    big_chunk=16384, repeats=3, workflow=(("8b", 6144, 8192, 2), ("1b", 2048, 4096, 3)), kv_budget="16GiB")
+    shared_context=2048, concurrent_tokens=128, repeats=3, logit_prompts=3, logit_tokens=512,
+    workflow="8b", kv_budget="16GiB")
 QUICK = Plan(
-    exact_shape="tiny", speed_shapes=(("speed-tiny", "tiny"),), speed_dtype="float32",
-    budgets={"device": 10, "exactness": 30, "speed-tiny": 40, "workflow": 40},
-    exact_lengths=(1, 9, 40), exact_steps=6, decode_context=64, decode_steps=8, hf_steps=4, concurrency=(2, 4),
-    shared_context=48, concurrent_tokens=4, ttft_lengths=(64, 160), big_chunk=128, repeats=1,
-    workflow=(("tiny", 64, 96, 2),), kv_budget="64MiB")
-
-
-class PhaseOverrun(RuntimeError):
-    """A phase used up its time budget: it stops where it is, keeping what it measured."""
-
-
-class Phase:
-    """One phase's budget and results (``out`` fills as it measures, so a stopped phase keeps its part)."""
-
-    def __init__(self, name: str, budget_s: float) -> None:
-        self.name = name
-        self.budget_s = budget_s
-        self.started = time.perf_counter()
-        self.out: dict[str, Any] = {"budget_s": round(budget_s, 1), "status": "running"}
-
-    def left(self) -> float:
-        return self.budget_s - (time.perf_counter() - self.started)
-
-    def check(self, next_step: str) -> None:
-        """Stop the phase before ``next_step`` if its budget is spent."""
-        if self.left() <= 0:
-            raise PhaseOverrun(f"stopped before {next_step}: over its {self.budget_s:.0f} s budget")
+    exact_shape="tiny", speed=(("speed-tiny", SpeedPlan("tiny", (2, 4), 4, (64, 160), "64MiB")),),
+    speed_dtype="float32", budgets={"device": 60, "exactness": 120, "speed-tiny": 150, "workflow": 150},
+    exact_lengths=(1, 9, 40), exact_steps=6, decode_context=64, decode_steps=8, hf_steps=4, shared_context=48,
+    concurrent_tokens=4, repeats=1, logit_prompts=2, logit_tokens=48, workflow="tiny", kv_budget="64MiB")
+# The workflow phase's fixed prompts (fewest and most tokens) and rounds, per shape.
+WORKFLOW_SIZES: dict[str, tuple[int, int, int]] = {"8b": (6144, 8192, 2), "1b": (2048, 4096, 3), "tiny": (64, 96, 2)}
 
 
 class Bench:
-    """One run: the device, the tokenizer, the checkpoints built so far, the record written after each phase."""
+    """One phase's run of the benchmark: the device, the tokenizer, the checkpoints (built here or found complete
+    in the checkpoint folder), the environment."""
 
-    def __init__(self, args: argparse.Namespace, plan: Plan, rec: record.Recording) -> None:
+    def __init__(self, args: argparse.Namespace, plan: Plan) -> None:
         self.device = args.device
         self.quick = args.quick
         self.plan = plan
-        self.rec = rec
-        self.deadline = time.perf_counter() + args.budget_s
         self.tokenizer = tokenizer_dir(args.tokenizer)
-        self.workdir = Path(tempfile.mkdtemp(prefix="kvbaton-gpu-", dir=args.workdir or _scratch_root()))
-        self.checkpoints: dict[str, Path] = {}
-        self.payload: dict[str, Any] = {"benchmark": "gpu", "device": self.device, "quick": args.quick,
-                                        "plan": plan.__dict__, "environment": environment(self.device),
-                                        "phases": {}, "rows": []}
+        self.workdir = Path(args.checkpoints)
+        self.built: dict[str, dict[str, Any]] = {}  # checkpoints this phase built or reused, for the record
 
     def cuda(self) -> bool:
         return self.device.startswith("cuda")
 
-    def run(self, name: str, measure: Callable[[Phase], None]) -> None:
-        left = self.deadline - time.perf_counter()
-        phase = Phase(name, max(0.0, min(self.plan.budgets[name], left)))
-        self.payload["phases"][name] = phase.out
-        print(f"\n=== {name} (budget {phase.budget_s:.0f} s)", flush=True)
-        try:
-            if phase.budget_s <= 0:
-                raise PhaseOverrun("not started: the run's time is spent")
-            measure(phase)
-            phase.out["status"] = "ok"
-        except PhaseOverrun as exc:
-            phase.out["status"] = str(exc)
-        except Exception as exc:  # noqa: BLE001 - one failing phase must not lose the others' numbers
-            phase.out["status"] = f"failed: {type(exc).__name__}: {exc}"
-            phase.out["traceback"] = traceback.format_exc(limit=12)
-            traceback.print_exc()
-        phase.out["seconds"] = round(time.perf_counter() - phase.started, 1)
-        print(f"=== {name}: {phase.out['status']} after {phase.out['seconds']} s", flush=True)
-        self.write(partial=True)
-
-    def write(self, partial: bool) -> Path:
-        dtypes = sorted({"float32", self.plan.speed_dtype})
-        return self.rec.write(self.payload, dtypes=dtypes, partial=partial,
-                              machine=self.payload["environment"]["machine"])
-
     def checkpoint(self, shape: str, dtype: str, peaked: bool = False) -> Path:
+        """The checkpoint of ``shape`` in ``dtype``: the complete one in the checkpoint folder, else built now."""
         key = f"{shape}-{dtype}{'-peaked' if peaked else ''}"
-        if key not in self.checkpoints:
-            started = time.perf_counter()
-            self.checkpoints[key] = build_checkpoint(self.workdir / key, shape, dtype, self.device, self.tokenizer,
-                                                     peaked)
-            self.payload.setdefault("checkpoints", {})[key] = {"seconds": round(time.perf_counter() - started, 1),
-                                                               "shape": SHAPES[shape]}
-        return self.checkpoints[key]
+        path = self.workdir / key
+        if key not in self.built:
+            if (path / COMPLETE).is_file():
+                self.built[key] = {"seconds": 0.0, "shape": SHAPES[shape], "reused": True}
+            else:
+                started = time.perf_counter()
+                build_checkpoint(path, shape, dtype, self.device, self.tokenizer, peaked)
+                self.built[key] = {"seconds": round(time.perf_counter() - started, 1), "shape": SHAPES[shape]}
+        return path
 
-    def close(self) -> None:
-        shutil.rmtree(self.workdir, ignore_errors=True)
+
+COMPLETE = "kvbaton-complete"  # written last: a checkpoint folder without it is incomplete (a killed build)
+
+
+def checkpoint_root(given: str | None, workdir: str | None) -> tuple[Path, bool]:
+    """Where the run's checkpoints go, and whether the run owns the folder (deletes it at its end): ``given``
+    (``--checkpoints``: kept, so later runs on the same machine reuse what is complete), else a fresh folder."""
+    if given:
+        Path(given).mkdir(parents=True, exist_ok=True)
+        return Path(given), False
+    return Path(tempfile.mkdtemp(prefix="kvbaton-gpu-", dir=workdir or _scratch_root())), True
 
 
 def _scratch_root() -> str:
@@ -206,6 +191,7 @@ def build_checkpoint(out: Path, shape: str, dtype: str, device: str, tokenizer: 
     """A random-weight Llama checkpoint of ``shape`` in ``dtype``, built on ``device``, with the tokenizer files."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    shutil.rmtree(out, ignore_errors=True)  # an incomplete earlier build
     tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
     config = LlamaConfig(**SHAPES[shape], vocab_size=len(tok), max_position_embeddings=MAX_POSITIONS,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
@@ -218,6 +204,7 @@ def build_checkpoint(out: Path, shape: str, dtype: str, device: str, tokenizer: 
     model.save_pretrained(out)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer / name, out / name)
+    (out / COMPLETE).write_text(json.dumps({"shape": shape, "dtype": dtype, "peaked": peaked}))
     del model
     free_memory(device)
     return out
@@ -283,6 +270,27 @@ def hf_greedy(hf: Any, prompt: Sequence[int], steps: int, device: str) -> list[i
         out = hf.generate(torch.tensor([list(prompt)], device=device), max_new_tokens=steps, min_new_tokens=steps,
                           do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def hf_model(ckpt: Path, dtype: str, device: str) -> Any:
+    """Plain transformers on ``device`` (SDPA attention, as transformers picks by default), not through kvbaton's
+    loader: nothing of kvbaton's touches it, and it is freed when dropped."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype), attn_implementation="sdpa",
+                                                 local_files_only=True)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def prefill_flops(shape: dict[str, Any], vocab: int, tokens: int) -> float:
+    """Matrix-product FLOPs of one forward over ``tokens`` fresh tokens with the logits of the last one: every
+    layer's projections (2 per weight per token) and causal attention (QK and PV over half the square)."""
+    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = hidden // heads
+    per_token = hidden * (heads + 2 * kv_heads) * d + heads * d * hidden + 3 * hidden * inter
+    attention = 2 * tokens * tokens * heads * d  # 2 products x 2 FLOPs x n^2 / 2 (causal)
+    return layers * (2.0 * tokens * per_token + attention) + 2.0 * hidden * vocab
 
 
 def hf_prefill_s(hf: Any, tokens: Sequence[int], device: str) -> float:
