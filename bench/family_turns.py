@@ -41,9 +41,9 @@ class Call:
     messages: list[dict[str, str]]
     prompt: list[int]
     result: Any
-    seconds: float
+    seconds: float  # the generate call alone
     kl: float | None = None
-    kl_seconds: float = 0.0
+    kl_seconds: float = 0.0  # the KL check after it (untimed: not part of the workflow)
 
 
 class RecordingClient(EmbeddedClient):
@@ -138,7 +138,7 @@ def turn_record(call: Call, context: tuple[int, int]) -> dict[str, Any]:
                  "tokens_reused": s.tokens_reused, "tokens_cached": s.tokens_cached, "exact": s.exact}
                 for s in getattr(result, "segments", None) or ()]
     out = {
-        "index": call.index, "agent": call.agent, "seconds": call.seconds - call.kl_seconds, "ttft_s": t.ttft_s,
+        "index": call.index, "agent": call.agent, "seconds": call.seconds, "ttft_s": t.ttft_s,
         "prompt_tokens": len(call.prompt), "prompt_sha": hashlib.sha1(str(call.prompt).encode()).hexdigest()[:16],
         "reused_exact": t.tokens_reused - approx, "reused_approx": approx, "prefilled": t.tokens_prefilled,
         "discarded": int(getattr(t, "tokens_discarded", 0) or 0), "generated": t.tokens_generated,
