@@ -158,7 +158,7 @@ def test_the_harness_on_a_quick_family(tmp_path):
         for t in exact["turns"] + auto["turns"]:
             assert t["prompt_tokens"] == t["reused_exact"] + t["reused_approx"] + t["prefilled"]
             assert 0 <= t["context"][0] < t["context"][1] <= t["prompt_tokens"]
-            assert 0 <= t["context_reused"] <= t["context_tokens"]
+            assert 0 <= t["context_reused"] <= t["context_tokens"] and t["seconds"] > 0
             assert all(s["reason"] for s in t["segments"])  # every decision says why
         assert all(t["exact"] and t["reused_approx"] == 0 and not t["segments"] for t in exact["turns"])
         if shape["app"] != "autogen":  # teacher-forced: the reference's prompts, turn by turn
