@@ -65,6 +65,15 @@ def shared_connection(
     return client
 
 
+def open_connection(
+    target: str = "embedded", model: str | None = None, token: str | None = None
+) -> Client | AsyncClient | None:
+    """The process-wide connection for ``(target, model, token)`` if one is open (or registered)
+    already, else None: a lookup, no I/O (adapter objects are built cheaply and connect on first use)."""
+    with _connections_lock:
+        return _connections.get((target, model if target == "embedded" else None, token))
+
+
 _opened: list[Any] = []  # the connections this module opened (registered ones are their callers')
 
 
@@ -115,6 +124,7 @@ def served_model(client: Any, default: str = "kvbaton") -> str:
 __all__ = [
     "default_target",
     "is_openai_key",
+    "open_connection",
     "register_connection",
     "served_model",
     "shared_connection",

@@ -293,8 +293,8 @@ def test_chat_model_from_kvbaton_url_or_base_url(server: Any, monkeypatch: pytes
         reply = llm.invoke([HumanMessage("Say hi.")])
         assert reply.response_metadata["model_name"] == MODEL
         llm.client.release(reply.additional_kwargs[KVBATON_KEY]["handle"]["id"])  # the server is shared
-        with pytest.raises(ModelNotFound, match="serves"):
-            KvbatonChatModel(base_url=server.url, model="another-model")
+        with pytest.raises(ModelNotFound, match="serves"):  # building does no I/O: checked on first use
+            KvbatonChatModel(base_url=server.url, model="another-model").invoke([HumanMessage("Say hi.")])
     finally:
         connections.register_connection(None, server.url)
         llm.client.close()

@@ -169,7 +169,7 @@ def test_health_and_requests_say_unavailable_when_every_worker_is_dead(extra_ser
     sent = Counting()
     with openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=2,
                        http_client=httpx.Client(transport=sent)) as oa, pytest.raises(openai.InternalServerError):
-        oa.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        oa.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     assert sent.paths == ["/v1/chat/completions"] * 3
     sent = Counting()
     with kvbaton.http.HttpClient(cluster.url, transport=sent, max_retries=2, max_retry_wait=10) as client:
@@ -322,7 +322,7 @@ def test_a_quota_answer_tells_openai_clients_not_to_retry(tight):
         sent = Counting()
         with openai.OpenAI(base_url=f"{tight.url}/v1", api_key=TOKEN_A, max_retries=3,
                            http_client=httpx.Client(transport=sent)) as oa, pytest.raises(openai.RateLimitError) as err:
-            oa.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], n=8)
+            oa.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "hi"}], n=8)
         assert err.value.code == "quota_exceeded" and err.value.response.headers["x-should-retry"] == "false"
         assert sent.paths == ["/v1/chat/completions"]  # the client did not retry what cannot succeed
         release_all(tight, TOKEN_A)

@@ -231,7 +231,7 @@ def test_a_full_volume_is_never_a_permanent_outage() -> None:
                 health = http.get("/health")
                 assert health.status_code == 503 and health.json()["status"] == "degraded"
                 assert str(tier / "state" / "handles.jsonl") in health.json()["reason"]
-                answer = http.post("/v1/completions", json={"model": "default", "prompt": "Hello", "max_tokens": 2})
+                answer = http.post("/v1/completions", json={"model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 2})
                 assert answer.status_code == 200, "a request that keeps no handle is served meanwhile"
                 (volume / "kvbaton-filler").unlink()
                 for _ in range(600):  # back by itself: no request, no restart

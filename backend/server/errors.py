@@ -53,16 +53,17 @@ _ROUTER_CODES: dict[int, str] = {
 }
 
 
-# OpenAI's error ``type`` by HTTP status (what its clients show; the class they raise is by status).
-_TYPES: dict[int, str] = {
-    401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
-    410: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
-}
 OPENAI_PATH_PREFIXES = ("/v1/chat/", "/v1/completions", "/v1/responses", "/v1/models")
 
 
 def error_type(status: int) -> str:
-    return _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    """OpenAI's error ``type``, which is not by status: ``invalid_request_error`` for what the request
+    did wrong (a bad field, an unknown model or key, 401 and 404 included), ``insufficient_quota``
+    for a quota that retrying cannot lift (429, with ``x-should-retry: false``), ``server_error`` for
+    the server's own failures (5xx). (OpenAI's clients raise their exception classes by status.)"""
+    if status >= 500:
+        return "server_error"
+    return "insufficient_quota" if status == 429 else "invalid_request_error"
 
 
 def error_body(code: str, message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:

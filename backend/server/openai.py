@@ -1,12 +1,12 @@
 """The OpenAI-compatible API: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/responses`` (text, not streamed), and kvbaton's ``DELETE /v1/sessions/{id}``. Answer bodies
+``/v1/responses`` (text; :mod:`.openai_responses`), and kvbaton's ``DELETE /v1/sessions/{id}``. Answer bodies
 are declared in the OpenAPI schema (``protocol``: the shapes of the ``openai`` package's models).
 
 One template method serves both completion endpoints, in the spirit of SGLang's
 ``OpenAIServingBase.handle_request``: ``OpenAIServing.handle`` parses the request into a ``Plan``,
 runs it whole or streams it through the one SSE driver, and builds the answer; ``ChatServing`` and
 ``CompletionServing`` fill in only what differs (the prompt, how streams open, which handles are
-kept, the shape of a choice); ``ResponsesServing`` is chat with another answer. The messages they
+kept, the shape of a choice); ``ResponsesServing`` (:mod:`.openai_responses`) is chat with another answer. The messages they
 render are translated by ``openai_messages``.
 
 Invariants: a request's choices (``n`` per prompt; ``/v1/completions`` takes a list of prompts,
@@ -51,8 +51,8 @@ from kvbaton.types import Result, SamplingParams, StreamChunk, TokenLogprob, Top
 from . import protocol as p
 from .accesslog import note_usage
 from .errors import ERROR_RESPONSES, stream_responses, template_errors
-from .openai_fields import COMPLETION_FIELDS, RESPONSES_FIELDS, FieldTable, check_fields
-from .openai_messages import openai_messages, responses_messages
+from .openai_fields import COMPLETION_FIELDS, FieldTable, check_fields
+from .openai_messages import openai_messages
 from .openai_plan import Plan, tool_plan
 from .openai_tools import RequiredCallStream, ToolCallStream, required_call
 from .sse import StreamEvents, Streams, close_all, open_primed, prime_all, run_whole, sse, stream_response
@@ -82,6 +82,14 @@ def usage(results: Sequence[Result], n: int | None = None) -> dict[str, Any]:
 def token_bytes(entry: TopLogprob) -> list[int]:
     """A log-probability entry's token bytes (an engine that does not say them: its text's)."""
     return list(entry.bytes) if entry.bytes else list(entry.token.encode())
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    """404 ``model_not_found`` (``param: "model"``) unless ``name`` is one the server serves
+    (``--served-model-name``: the alias list is explicit, as vLLM's); no name is the served model."""
+    if name is not None and name not in state.model_names:
+        raise ModelNotFound(f"The model '{name}' does not exist: this server serves "
+                            f"{', '.join(map(repr, state.model_names))} (--served-model-name).", param="model")
 
 
 # -- the template ----------------------------------------------------------------------------------
@@ -114,7 +122,7 @@ class OpenAIServing:
                     approximate.extend(first is not None and first.exact is False for first in firsts)
                     return streams, firsts
 
-                response = await stream_response(self.state, plan.tenant, opened, _OpenAIEvents(self, plan),
+                response = await stream_response(self.state, plan.tenant, opened, self.stream_events(plan),
                                                  admission)
                 if any(approximate):  # known before the first byte: streamed answers are marked like whole ones
                     response.headers[APPROXIMATE_HEADER] = "true"
@@ -146,6 +154,7 @@ class OpenAIServing:
         state = self.state
         tenant = request_tenant(request)
         check_fields(body.model_extra, self.fields)
+        check_model(state, body.model)
         ext = body.kvbaton or p.KvbatonExtension()
         agent = request_agent(request, ext.agent) or ""
         session = request_session(request, ext.session, (body.model_extra or {}).get("user"))
@@ -173,7 +182,7 @@ class OpenAIServing:
             tenant=tenant, session=session, agent=agent, engine_agent=engine_agent, handle=ext.handle, policy=policy,
             keep=ext.keep, step=ext.step, params=params, prompts=prompts, n=n, tools=tools,
             include_usage=body.include_usage, id=self.id_prefix + secrets.token_hex(12), created=int(time.time()),
-            model=body.model if body.model in state.model_names else state.model,
+            model=body.model or state.model,
         )
 
     async def run_all(self, plan: Plan) -> tuple[list[Result], list[str | None]]:
@@ -221,6 +230,10 @@ class OpenAIServing:
                 "segments": [s.model_dump(mode="json") for s in first.segments]}
 
     # -- hooks --------------------------------------------------------------------------------------
+    def stream_events(self, plan: Plan) -> StreamEvents:
+        """What a streamed answer says (chat and completions: chunks, then ``[DONE]``)."""
+        return _OpenAIEvents(self, plan)
+
     def prompt(self, body: Any, ext: p.KvbatonExtension) -> tuple[list[Any], list[dict[str, Any]] | None]:
         """What the engine is given (validated), one per prompt, and the tools of the chat template."""
         raise NotImplementedError
@@ -241,8 +254,8 @@ class OpenAIServing:
         """A streamed piece of a choice (None: its closing chunk)."""
         raise NotImplementedError
 
-    def opening(self) -> dict[str, Any] | None:
-        """What a streamed choice says before its first piece, if anything."""
+    def opening(self, plan: Plan, index: int) -> dict[str, Any] | None:
+        """What streamed choice ``index`` says before its first piece, if anything."""
         return None
 
 
@@ -275,8 +288,11 @@ class _OpenAIEvents(StreamEvents):
         return out
 
     def opening(self, index: int) -> list[str]:
-        part = self.serving.opening()
-        return [self._chunk([self.serving.choice(index, part, None)])] if part is not None else []
+        part = self.serving.opening(self.plan, index)
+        if part is None:
+            return []
+        self.offsets[index] = len(part.get("text", ""))  # an echoed prompt: the completion's text offsets follow it
+        return [self._chunk([self.serving.choice(index, part, None)])]
 
     def chunk(self, index: int, chunk: StreamChunk) -> list[str]:
         if self.tools:
@@ -429,7 +445,7 @@ class ChatServing(OpenAIServing):
     def delta(self, text: str | None) -> dict[str, Any]:
         return {"delta": {} if text is None else {"content": text}}
 
-    def opening(self) -> dict[str, Any] | None:
+    def opening(self, plan: Plan, index: int) -> dict[str, Any] | None:
         return {"delta": {"role": "assistant", "content": ""}}
 
 
@@ -449,8 +465,19 @@ class CompletionServing(OpenAIServing):
                                  "/v1/chat/completions or /v1/kv/resume.", param="kvbaton.handle")
         return body.prompts(), None
 
+    def plan(self, body: p.CompletionRequest, request: Request) -> Plan:  # type: ignore[override]
+        plan = super().plan(body, request)
+        if body.echo:
+            if body.logprobs is not None:
+                raise InvalidRequest("Unsupported value for 'echo': not with 'logprobs': this server does not compute "
+                                     "the prompt's log probabilities (echo alone is served).", param="echo")
+            plan.echo = []  # the prompts' texts, filled in a worker thread (token ids are detokenized)
+        return plan
+
     def open_streams(self, plan: Plan) -> Streams:
         engine = self.state.engine
+        if plan.echo == []:
+            plan.echo = [p if isinstance(p, str) else engine.detokenize(p) for p in plan.prompts]
         return open_primed(functools.partial(engine.complete_stream, plan.prompt_of(c), params,
                                              agent=plan.engine_agent, reuse=plan.policy)
                            for c, params in enumerate(plan.params))
@@ -465,6 +492,19 @@ class CompletionServing(OpenAIServing):
 
     def message(self, text: str) -> dict[str, Any]:
         return {"text": text}
+
+    def whole_choice(self, plan: Plan, index: int, result: Result) -> dict[str, Any]:
+        part, finish = self.message(self.echoed(plan, index) + result.text), result.finish_reason
+        offset = len(self.echoed(plan, index))
+        return {**self.choice(index, part, finish), "logprobs": self.logprobs(result.logprobs, offset)}
+
+    @staticmethod
+    def echoed(plan: Plan, index: int) -> str:
+        """The prompt text choice ``index`` starts with (with ``echo``), else ``""``."""
+        return plan.echo[index // plan.n] if plan.echo else ""
+
+    def opening(self, plan: Plan, index: int) -> dict[str, Any] | None:
+        return {"text": self.echoed(plan, index)} if plan.echo else None
 
     def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
         """The legacy shape: tokens, their logprobs, the alternatives by token, each token's text offset."""
@@ -485,52 +525,6 @@ class CompletionServing(OpenAIServing):
         return {"text": text or ""}
 
 
-class ResponsesServing(ChatServing):
-    """``/v1/responses``, text only and whole (no stream): ``instructions`` + ``input`` are chat
-    messages, served exactly as a chat completion of one choice (the agent's retained handle, per
-    session, included); the answer is a Responses ``response`` with one ``output_text``."""
-
-    endpoint = "/v1/responses"
-    id_prefix = "resp_"
-    object = "response"
-    fields = RESPONSES_FIELDS
-    prompt_field = "input"
-
-    async def handle(self, body: p.SamplingRequest, request: Request) -> Any:
-        if body.stream:
-            raise InvalidRequest("Unsupported value for 'stream': /v1/responses does not stream here; use "
-                                 "/v1/chat/completions with stream.", param="stream")
-        return await super().handle(body, request)
-
-    def plan(self, body: p.ResponsesRequest, request: Request) -> Plan:  # type: ignore[override]
-        return OpenAIServing.plan(self, body, request)  # no tools here (refused by the field table)
-
-    def prompt(self, body: p.ResponsesRequest,
-               ext: p.KvbatonExtension) -> tuple[list[Any], list[dict[str, Any]] | None]:
-        return [responses_messages(body.input, body.instructions)], None
-
-    def answer(self, plan: Plan, results: Sequence[Result], kept: list[str | None]) -> dict[str, Any]:
-        result, counts = results[0], usage(results)  # one choice: what is returned is what is counted
-        complete = result.finish_reason == "stop"
-        return {
-            "id": plan.id, "object": self.object, "created_at": plan.created, "model": plan.model,
-            "status": "completed" if complete else "incomplete",
-            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
-            "error": None, "instructions": None, "metadata": {}, "parallel_tool_calls": False, "tool_choice": "none",
-            "tools": [], "temperature": plan.params[0].temperature, "top_p": plan.params[0].top_p,
-            "output": [{
-                "type": "message", "id": "msg_" + plan.id[len(self.id_prefix):], "status": "completed",
-                "role": "assistant", "content": [{"type": "output_text", "text": result.text, "annotations": []}],
-            }],
-            "usage": {
-                "input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
-                "total_tokens": counts["total_tokens"], "input_tokens_details": counts["prompt_tokens_details"],
-                "output_tokens_details": counts["completion_tokens_details"],
-            },
-            "kvbaton": self.extension(plan, kept, results),
-        }
-
-
 # -- routes ----------------------------------------------------------------------------------------
 
 
@@ -543,6 +537,8 @@ def _model_card(state: ServerState, name: str) -> dict[str, Any]:
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     oa: dict[str, Any] = {"tags": ["openai"], "response_model": None}
+    from .openai_responses import ResponsesServing  # (it builds on ChatServing)
+
     chat, completion, responses = ChatServing(state), CompletionServing(state), ResponsesServing(state)
 
     @app.get("/v1/models", tags=["openai"], response_model=p.ModelList)
@@ -552,9 +548,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models/{model_id:path}", tags=["openai"], responses=ERROR_RESPONSES, response_model=p.ModelCard,
              response_model_exclude_none=True)
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id not in state.model_names:
-            raise ModelNotFound(f"The model '{model_id}' does not exist: this server serves "
-                                f"{', '.join(map(repr, state.model_names))}.", param="model")
+        check_model(state, model_id)
         return _model_card(state, model_id)
 
     @app.post("/v1/chat/completions", **oa, responses=stream_responses(p.ChatCompletion, p.ChatCompletionChunk))

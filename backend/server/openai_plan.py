@@ -41,6 +41,7 @@ class Plan:
     tool_names: list[str] = field(default_factory=list)  # the tools an answer may call (chat)
     forced: str | None = None  # the one tool the answer must call, when tool_choice names it
     required: bool = False  # tool_choice requires a call: every choice is constrained to exactly one
+    echo: list[str] | None = None  # completions with echo: each prompt's text, that its choices start with
 
     @property
     def parses_tools(self) -> bool:

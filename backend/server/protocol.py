@@ -256,6 +256,8 @@ class CompletionRequest(OpenAIRequest):
     prompt: ContextIn | list[str] | list[list[StrictInt]]
     logprobs: int | None = Field(default=None, ge=0, le=5, description="Legacy: log probabilities of each token and "
                                  "of this many most likely alternatives.")
+    echo: bool = Field(default=False, description="Each choice's text starts with its prompt (streamed: the prompt "
+                       "first); not with `logprobs` (the prompt's log probabilities are not computed here).")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one (text, or token ids), or each of a list."""
@@ -442,11 +444,15 @@ class OutputMessage(_Answer):
     content: list[OutputText]
 
 
+class InputTokensDetails(PromptTokensDetails):
+    cache_write_tokens: int = Field(description="Prompt tokens prefilled for this answer (their K/V now cached).")
+
+
 class ResponseUsage(_Answer):
     input_tokens: int
     output_tokens: int
     total_tokens: int
-    input_tokens_details: PromptTokensDetails
+    input_tokens_details: InputTokensDetails
     output_tokens_details: CompletionTokensDetails
 
 
