@@ -133,11 +133,10 @@ def local_checks(device: torch.device, do_bench: Callable[..., float], heads: in
                  n: int) -> list[dict[str, Any]]:
     """Every local prefill attention kind on one fresh bf16 prompt of ``n`` tokens: its median time, its
     attention TFLOP/s (causal: 2 n^2 heads d), its relative difference from the first kind that ran."""
-    from kvbaton.backend.compute.cuda.ops import LOCAL_KINDS, local_attention
+    from kvbaton.backend.compute.cuda.ops import LOCAL_KINDS, fused_qkv, local_attention
     from kvbaton.backend.compute.cuda.step import StepBatch
 
-    gen = torch.Generator().manual_seed(n + d)
-    q, k, v = (torch.randn(n, h, d, generator=gen).to(torch.bfloat16).to(device) for h in (heads, kv_heads, kv_heads))
+    q, k, v = fused_qkv(torch.Generator().manual_seed(n + d), n, heads, kv_heads, d, torch.bfloat16, device)
     ints = {"dtype": torch.int32, "device": device}
     batch = StepBatch(input_ids=torch.zeros(n, **ints), positions=torch.arange(n, **ints),
                       slots=torch.zeros(n, **ints), block_tables=torch.zeros(1, 1, **ints),

@@ -91,7 +91,7 @@ FULL = Plan(
     exact_shape="135m",
     speed=(("speed-1b", SpeedPlan("1b", (8, 32, 64, 128), 128, (1024, 4096, 16384, 32768), "16GiB")),
            ("speed-8b", SpeedPlan("8b", (64,), 64, (4096, 16384, 32768), "8GiB"))),
-    speed_dtype="bfloat16", budgets={"device": 30, "exactness": 70, "speed-1b": 125, "speed-8b": 165, "workflow": 165},
+    speed_dtype="bfloat16", budgets={"device": 45, "exactness": 70, "speed-1b": 110, "speed-8b": 165, "workflow": 165},
     exact_lengths=(1, 17, 100, 1000, 4000), exact_steps=24, decode_context=512, decode_steps=128, hf_steps=24,
     shared_context=2048, concurrent_tokens=128, repeats=3, logit_prompts=3, logit_tokens=512,
     workflow="8b", kv_budget="16GiB")

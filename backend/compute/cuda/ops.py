@@ -20,6 +20,7 @@ Nothing here imports Triton at import time: :func:`triton_missing` says whether 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 import os
 from typing import Any
@@ -233,7 +234,7 @@ def local_attention(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     out = torch.empty_like(q)
     bounds = batch.q_bounds
     with _sdpa_backend(backend):
-        for a, b in zip(bounds, bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
             if expanded:
                 ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
@@ -273,11 +274,21 @@ def local_attention_kind(dtype: torch.dtype, device: torch.device) -> str | None
     return _LOCAL_CHECKED[key]
 
 
+def fused_qkv(gen: torch.Generator, tokens: int, heads: int, kv_heads: int, d: int, dtype: torch.dtype,
+              device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q, k, v laid out as the step hands them to ``prefill_local``: q and k contiguous (the rotary
+    kernel's outputs), v a strided view of the fused projection."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype).to(device)
+    q = qkv[:, : heads * d].reshape(tokens, heads, d).contiguous()
+    k = qkv[:, heads * d : (heads + kv_heads) * d].reshape(tokens, kv_heads, d).contiguous()
+    return q, k, qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
+
+
 def _check_local(kind: str, dtype: torch.dtype, device: torch.device) -> bool:
     gen = torch.Generator(device="cpu").manual_seed(1)
     heads, kv_heads, d, lengths = 8, 2, 64, (37, 64)
     tokens = sum(lengths)
-    q, k, v = (torch.randn(tokens, h, d, generator=gen).to(dtype).to(device) for h in (heads, kv_heads, kv_heads))
+    q, k, v = fused_qkv(gen, tokens, heads, kv_heads, d, dtype, device)
     bounds = (0, lengths[0], tokens)
     ints = {"dtype": torch.int32, "device": device}
     batch = StepBatch(input_ids=torch.zeros(tokens, **ints), positions=torch.zeros(tokens, **ints),
