@@ -60,7 +60,7 @@ from .costmodel import PREFILL_PROBE_TOKENS, Calibration, CostModel, load_cached
 from .liveness import DEFAULT_TIMEOUT_S, Liveness
 from .moves import Mover
 from .placement import Placer
-from .remote import WorkerLost, WorkerRef, answer
+from .remote import LOST_ERRORS, WorkerLost, WorkerRef, answer
 from .routing import Router
 from .stats import cluster_stats
 from .streams import recomputing_stream
@@ -207,8 +207,6 @@ class Cluster(ConfiguredEngine):
         pacing), leaves the collective group (which takes no new member), and serves again with the
         handles it kept (persistence)."""
         import ray
-
-        from .remote import LOST_ERRORS
 
         try:
             info = ray.get(worker.actor.info.remote(), timeout=60)
@@ -573,6 +571,8 @@ class Cluster(ConfiguredEngine):
 
     def close(self) -> None:
         self._liveness.close()
+        for w in self.workers:
+            w.closing = True
         import ray
 
         if ray.is_initialized():  # a clean exit: the engines save what persistence keeps

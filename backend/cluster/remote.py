@@ -57,6 +57,7 @@ class WorkerRef:
         self.alive = False
         self.lost_reason: str | None = None  # why it is down, for /health (None: it died)
         self.restarts = 0  # times this ingress saw it come back
+        self.closing = False  # the cluster is closing: its end is no loss
         self._on_lost = on_lost
         self._lock = threading.Lock()
         self._queue = 0
@@ -85,6 +86,8 @@ class WorkerRef:
                 return
             self.alive = False
             self.lost_reason = reason
+            if self.closing:
+                return
         log.error("worker %d (%s, pid %s) is lost%s", self.rank, self.device, self.pid, f": {reason}" if reason else "")
         self._on_lost(self)
 
