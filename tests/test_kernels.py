@@ -374,9 +374,9 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     return weights @ values.repeat_interleave(group, 0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
-@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (7, 0.0), (40, 0.0), (300, 0.0), (0, 5.0), (23, 5.0)])
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 64), (torch.float32, 96), (torch.bfloat16, 128),
+                                                (torch.float32, 256), (torch.bfloat16, 256)])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (7, 0.0), (300, 0.0), (23, 5.0)])
 def test_decode_attention_sees_only_its_window_and_soft_caps_its_scores(lib, dtype, head_dim, window, softcap):
     """Each query (the last token of its sequence) sees its ``window`` latest keys, itself included (the window
     starting mid-block, mid-chunk, or before the sequence), every head size the kernels are compiled for."""

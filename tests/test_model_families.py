@@ -80,6 +80,31 @@ def test_greedy_decoding_matches_transformers_generate_past_every_window(family)
     assert getattr(family.engine.loaded.model, "_kvbaton_prefill", None)
 
 
+def test_chunks_and_scattered_recomputation_cutting_through_windows_give_the_dense_logits(family):
+    """A prompt prefilled in chunks whose boundaries fall inside the windows (a chunk of a few tokens through
+    the fused decode rows, the others through the prefill kernels), then tokens recomputed at scattered
+    positions (selective recomputation): every logit is transformers' dense one."""
+    from kvbaton.backend.compute.runner import Chunk
+
+    engine, tokens = family.engine, family.tokens(60)
+    with torch.inference_mode():
+        dense = family.reference(torch.tensor([tokens])).logits[0]
+    blocks = engine.pool.allocate(len(tokens) // engine.pool.block_size + 1)
+    try:
+        for a, b in ((0, 23), (23, 37), (42, 60)):
+            if a == 42:  # 5 tokens: rows of the fused decode step, last logits only
+                last = engine.runner.forward([Chunk(blocks, 37, tokens[37:42])])[0]
+                torch.testing.assert_close(last, dense[41], atol=1e-4, rtol=0)
+            got = engine.runner.forward([Chunk(blocks, a, tokens[a:b], all_logits=True)])[0]
+            torch.testing.assert_close(got, dense[a:b], atol=1e-4, rtol=0)
+        picked = [5, 17, 30, 44, 59]
+        got = engine.runner.forward([Chunk(blocks, picked[0], [tokens[p] for p in picked], all_logits=True,
+                                           positions=picked)])[0]
+        torch.testing.assert_close(got, dense[picked], atol=1e-4, rtol=0)
+    finally:
+        engine.pool.decref(blocks)
+
+
 def test_resume_and_fork_are_token_identical_to_dense_prefill(family):
     engine = family.engine
     prefix = family.tokens(40)

@@ -7,6 +7,9 @@ from the same sets (``python -m kvbaton.backend.models --docs``), so the two can
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from kvbaton.errors import ModelNotFound
 
 from .spec import SHIFTABLE_ROPE, Architecture
 
@@ -74,3 +77,16 @@ def shift_refusal(arch: Architecture) -> str | None:
     if bad:
         return f"RoPE type {', '.join(map(repr, bad))} is not shifted exactly (only {', '.join(sorted(SHIFTABLE_ROPE))})"
     return None
+
+
+def model_refusal(path: Path, model: Any, arch: Architecture | None = None) -> str | None:
+    """Why ``path`` cannot run a loaded model (its registry architecture, read from its config when not given):
+    a model the registry does not know is refused with the registry's reason."""
+    if arch is None:
+        from . import architecture_of
+
+        try:
+            arch = architecture_of(model)
+        except ModelNotFound as exc:
+            return str(exc)
+    return path.refusal(arch)

@@ -41,7 +41,7 @@ from kvbaton.errors import ModelNotFound
 from ...cache.block_pool import BlockPool
 from ...models import Architecture, architecture_of
 from ...models import modules as model_modules
-from ...models.paths import FUSED_DECODE, kernel_refusal
+from ...models.paths import FUSED_DECODE, kernel_refusal, model_refusal
 from ..attention import softcapped_attention
 from ..eager import softcap_logits
 from ..loader import LoadedModel
@@ -62,11 +62,7 @@ def _warn_once(reason: str, message: str) -> None:
 
 def unsupported_reason(model: Any) -> str | None:
     """Why the fast path cannot run this model (None: it can): the registry's answer for its family."""
-    try:
-        arch = architecture_of(model)
-    except ModelNotFound as exc:
-        return f"{type(model).__name__}: {exc}"
-    return FUSED_DECODE.refusal(arch)
+    return model_refusal(FUSED_DECODE, model)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -43,8 +43,7 @@ import numpy as np
 import torch
 
 from ...cache.block_pool import BlockPool
-from ...models import architecture_of
-from ...models.paths import CUDA_GRAPHS
+from ...models.paths import CUDA_GRAPHS, model_refusal
 from ..attention import SDPA
 from ..eager import EagerRunner, separate
 from ..loader import LoadedModel
@@ -72,7 +71,7 @@ def unavailable_reason(loaded: LoadedModel) -> str | None:
     if os.environ.get(RUNNER_ENV, "1") == "0":
         return f"turned off by {RUNNER_ENV}=0"
     # The registry says which families the step implements (the others run on the eager runner, exactly).
-    return CUDA_GRAPHS.refusal(loaded.arch or architecture_of(loaded.model)) or triton_missing()
+    return model_refusal(CUDA_GRAPHS, loaded.model, loaded.arch) or triton_missing()
 
 
 @dataclass
