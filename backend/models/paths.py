@@ -75,7 +75,8 @@ def shift_refusal(arch: Architecture) -> str | None:
         return reason
     bad = sorted({r.type for r in arch.rope.values()} - SHIFTABLE_ROPE)
     if bad:
-        return f"RoPE type {', '.join(map(repr, bad))} is not shifted exactly (only {', '.join(sorted(SHIFTABLE_ROPE))})"
+        allowed = ", ".join(sorted(SHIFTABLE_ROPE))
+        return f"RoPE type {', '.join(map(repr, bad))} is not shifted exactly (only {allowed})"
     return None
 
 
