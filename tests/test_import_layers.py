@@ -66,6 +66,7 @@ def test_the_lifecycle_calls_the_reuse_step_not_the_engine():
 LAYERS = (
     ("dirs", "tenants", "handles", "events"),  # leaves: they import nothing of the backend
     ("cache",),  # block pool, radix cache, tiers, spill, prefetch, persistence (journal, saved blocks), the KV manager
+    ("models",),  # the model families' registry: what each family's layer is (read by compute and reuse)
     ("compute",),  # loading a model and running it: the runner seam, cpu/, cuda/
     ("inputs",),  # text, token ids and chat messages to validated token ids
     ("reuse",),  # cross-prefix reuse: span index, placement, correction, composition, audit

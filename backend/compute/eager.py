@@ -88,8 +88,8 @@ class EagerRunner:
             **{BATCH_KWARG: self._batch(seqs)},
         ).last_hidden_state
         # Usually only the last token of each chunk needs logits: skip the LM head everywhere else.
-        logits = softcap_logits(self._model.lm_head(hidden[0, torch.tensor(rows, device=self._device)]),
-                                self.arch.final_softcap).float()
+        logits = self._model.lm_head(hidden[0, torch.tensor(rows, device=self._device)])
+        logits = model_modules.softcap_logits(logits, self.arch.final_softcap).float()
         return separate([logits[a:b] if every else logits[a] for a, b, every in spans])
 
     @staticmethod
@@ -137,13 +137,6 @@ class EagerRunner:
         _, cached = self.pool.read(1, self.pool.slots(list(blocks), start, start + n))  # [kv_heads, n, head_dim]
         cached = cached.transpose(0, 1).reshape(n, -1).to(v.dtype)
         return ((v - cached).float().pow(2).sum(-1) / cached.float().pow(2).sum(-1).clamp_min(1e-12)).cpu()
-
-
-def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """transformers' final logit soft-capping (Gemma 2), in its order and the logits' dtype; no-op without a cap."""
-    if not cap:
-        return logits
-    return torch.tanh(logits / cap) * cap
 
 
 def separate(parts: list[torch.Tensor]) -> list[torch.Tensor]:

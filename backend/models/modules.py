@@ -78,6 +78,13 @@ def inv_freq(model: Any, arch: Architecture, group: str = "") -> torch.Tensor:
     return getattr(rotary, f"{group}_inv_freq" if group else "inv_freq")
 
 
+def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """transformers' final logit soft-capping (Gemma 2), in its order and the logits' dtype; no-op without a cap."""
+    if not cap:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 def verify(model: Any, arch: Architecture) -> None:
     """The declaration agrees with the transformers modules it was loaded into (``UnsupportedModel`` when a
     transformers version wires them otherwise: never run a model against a wrong description)."""

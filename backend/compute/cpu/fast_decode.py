@@ -43,7 +43,6 @@ from ...models import Architecture, architecture_of
 from ...models import modules as model_modules
 from ...models.paths import FUSED_DECODE, kernel_refusal, model_refusal
 from ..attention import softcapped_attention
-from ..eager import softcap_logits
 from ..loader import LoadedModel
 from . import kernels as kernel_library
 
@@ -342,7 +341,7 @@ class FastDecoder:
                 mlp = lib.rms_norm(mlp, layer.mlp_out_norm.weight, layer.mlp_out_norm.eps)
             norm = layers[index + 1].attn_norm if index + 1 < len(layers) else w.norm
             normed = lib.add_rms_norm(residual, mlp, norm.weight, norm.eps)
-        return softcap_logits(w.lm_head(normed), w.final_softcap)
+        return model_modules.softcap_logits(w.lm_head(normed), w.final_softcap)
 
     def _forward_torch(self, blocks: Sequence[Sequence[int]], positions: Sequence[int],
                        token_ids: Sequence[int]) -> torch.Tensor:
@@ -389,4 +388,4 @@ class FastDecoder:
             if layer.mlp_out_norm is not None:
                 mlp = layer.mlp_out_norm.module(mlp)
             hidden = hidden + mlp
-        return softcap_logits(w.lm_head(w.norm.module(hidden)), w.final_softcap).float()
+        return model_modules.softcap_logits(w.lm_head(w.norm.module(hidden)), w.final_softcap).float()
