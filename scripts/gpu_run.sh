@@ -12,8 +12,8 @@
 # kvbaton from the tree that travelled (the carried wheel if that fails), runs the benchmark under `timeout`
 # with 45 s less than the part's seconds (install, a stopped phase's grace), each phase in its own process under
 # a hard limit, and copies the record (gpu.json) and the log into $OUT, the folder whose files come back
-# (results/gpu-run/ when run by hand). Checkpoints stay in /dev/shm/kvbaton-gpu-checkpoints, so a later part
-# on the same warm machine reuses the 8B one (the record says which were reused).
+# (results/gpu-run/ when run by hand). Checkpoints stay in /dev/shm/kvbaton-gpu-checkpoints (/tmp/... when
+# /dev/shm is small), so a later part on the same warm machine reuses the 8B one (the record says which were).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-part1}" in
@@ -48,9 +48,12 @@ if [ -f .gpu/commit ]; then  # the checkout travels without .git: the record nam
   export KVBATON_GIT_COMMIT KVBATON_GIT_DIRTY
 fi
 results=$(mktemp -d /tmp/gpu-results.XXXXXX)  # this run's own: a warm machine keeps the last run's /tmp
+# Checkpoints in RAM when /dev/shm has room for the 8B one (a container's may be small), else on disk.
+shm_free_kib=$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')
+if [ "${shm_free_kib:-0}" -gt $((40 * 1024 * 1024)) ]; then ckpts=/dev/shm/kvbaton-gpu-checkpoints
+else ckpts=/tmp/kvbaton-gpu-checkpoints; fi
 timeout --signal=TERM --kill-after=20 "$((limit - 20))" python3 -m kvbaton.bench gpu --results-dir "$results" \
-  --budget-s $((limit - 45)) --checkpoints /dev/shm/kvbaton-gpu-checkpoints "${phases[@]}" "${@:2}" 2>&1 \
-  | tee -a "$log"
+  --budget-s $((limit - 45)) --checkpoints "$ckpts" "${phases[@]}" "${@:2}" 2>&1 | tee -a "$log"
 status=${PIPESTATUS[0]}
 if ls "$results"/*/gpu.json >/dev/null 2>&1; then
   cp "$results"/*/gpu.json "$out/"
