@@ -17,7 +17,7 @@ ALL = frozenset({
     "fused_weights", "qk_norm", "offset_norm", "sandwich_norms", "activation", "mlp_bias", "attn_softcap",
     "final_softcap", "embed_scale", "sliding_window", "per_layer_rope", "partial_rotary",
 })
-# Head sizes kvbaton's C++ attention kernels are compiled for (csrc/decode_kernels.cpp dispatches on them);
+# Head sizes kvbaton's C++ attention kernels are compiled for (csrc/*.cpp dispatch on them);
 # other head sizes run the generic path (the same step in torch ops).
 KERNEL_HEAD_DIMS = (64, 96, 128, 256)
 

@@ -1,6 +1,7 @@
 """kvbaton's C++ decode kernels: built once per machine at first use, loaded by every engine after.
 
-The kernels (``csrc/decode_kernels.cpp``) are compiled with ``torch.utils.cpp_extension`` for the
+The kernels (``csrc/decode_kernels.cpp``, ``prefill_attention.cpp`` and ``bindings.cpp``, built as one
+translation unit) are compiled with ``torch.utils.cpp_extension`` for the
 CPU they run on (``-march=native``), so the build directory is keyed by the source, the torch
 installation (version, C++ ABI, install path, Python) and the CPU's feature flags: a cache shared
 between machines never loads code built for another instruction set, and two virtual environments
@@ -44,7 +45,10 @@ from ...dirs import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = "decode_kernels.cpp"
+# The kernels' source files, concatenated in this order into one translation unit (SOURCE, in the build
+# directory): they share one anonymous namespace of vector helpers, and no file grows past a readable size.
+PARTS = ("decode_kernels.cpp", "prefill_attention.cpp", "bindings.cpp")
+SOURCE = "kvbaton_kernels.cpp"
 BUILD_LOCK = "build.flock"  # kvbaton's own lock (flock: released by the kernel when its holder dies)
 STALE_LOCK = "lock"  # cpp_extension's lock file, which it waits on forever
 BUILD_TIMEOUT_S = 600.0  # a build on 2 cores takes ~40 s; a holder this long is hung, not busy
@@ -65,7 +69,8 @@ def _cpu_flags() -> str:
 
 
 def _source() -> str:
-    return resources.files(__package__).joinpath("csrc", SOURCE).read_text()
+    parts = resources.files(__package__).joinpath("csrc")
+    return "\n".join(f"// ---- csrc/{name} ----\n{parts.joinpath(name).read_text()}" for name in PARTS)
 
 
 def _torch_install() -> str:
