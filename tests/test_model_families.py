@@ -226,6 +226,11 @@ def test_partial_rotary_keys_shift_exactly():
 
 
 @pytest.mark.unit
+def test_every_family_of_the_registry_has_a_tiny_checkpoint_here():
+    assert set(TINY) == set(FAMILIES)  # a family added to the registry is tested above, or this fails
+
+
+@pytest.mark.unit
 def test_the_docs_table_is_generated_from_the_registry():
     assert docs.committed(REPO / "docs" / "models.md") == docs.table(), \
         "docs/models.md is stale: run python -m kvbaton.backend.models --docs docs/models.md"
