@@ -48,6 +48,7 @@ CUDA_DTYPE = "bfloat16"
 CUDA_KV_SHARE = "90%"
 CUDA_MAX_BATCH_TOKENS = 16384
 DEFAULT_LOOKAHEAD = 2
+MAX_SPECULATE = 16  # draft tokens per decode row
 DEFAULT_AUDIT_FRACTION = 0.05  # every 20th approximate answer is checked against dense prefill
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("ste", "lru")
@@ -105,6 +106,9 @@ class EngineConfig:
     fast_decode: bool = field(default=True, metadata=_flag(
         ENGINE, "decode through the model's own forward instead of kvbaton's fused decode step (saves the "
         "packed copy of the weights; docs/engine.md)", form="negate"))
+    speculate: int = field(default=0, metadata=_flag(
+        ENGINE, "draft tokens per greedy decode step, looked up in the sequence's own earlier tokens (prompt "
+        "lookup; exact: only tokens greedy decoding picks are kept); 0 = off (default %(default)s)"))
     chat_template: str | None = field(default=None, metadata=_flag(
         ENGINE, "Jinja chat template (a file, or the template itself) replacing the tokenizer's for every chat "
         "rendering: OpenAI and native routes, chat_tokens, agents' fixed prompts", metavar="FILE_OR_TEMPLATE"))
@@ -221,6 +225,9 @@ def _validate(c: EngineConfig) -> None:
     for name in ("block_size", "prefill_chunk", "max_batch_tokens", "event_capacity"):
         _integer(name, getattr(c, name), minimum=1)
     _integer("lookahead", c.lookahead, minimum=0)
+    _integer("speculate", c.speculate, minimum=0)
+    if c.speculate > MAX_SPECULATE:
+        raise _bad("speculate", f"speculate must be at most {MAX_SPECULATE}, got {c.speculate}")
     for name in ("prefix_cache", "prefetch", "fast_decode", "persist"):
         if not isinstance(getattr(c, name), bool):
             raise _bad(name, f"{name} must be True or False, got {getattr(c, name)!r}")

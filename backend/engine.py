@@ -125,9 +125,6 @@ class Engine(ConfiguredEngine):
         lifecycle."""
         lm, c = self.loaded, self.config
         self.runner = select_runner(lm, self.pool, fast_decode=c.fast_decode)
-        self.scheduler = Scheduler(self.runner, max_batch_tokens=max(c.max_batch_tokens, c.prefill_chunk))
-        # The worker threads keep the pool alive: stop them when an unclosed engine is collected.
-        weakref.finalize(self, self.scheduler.close)
         self.tokenizer = lm.tokenizer
         self.positions = Positions(rope_type=lm.rope_type, rope_theta=lm.rope_theta, rope_parameters=lm.rope_parameters)
         self.shifter = RopeShifter.from_model(lm.model, lm.rope_type, lm.rope_parameters)
@@ -146,9 +143,14 @@ class Engine(ConfiguredEngine):
             self.prefetcher = Prefetcher(self.kv, self._ste, self._cache_events)
             weakref.finalize(self, self.prefetcher.close)
         self.inputs = Inputs(lm, c.chat_template)
+        # The one loop that runs every request; its thread keeps the pool alive: stop it when an unclosed
+        # engine is collected.
+        self.scheduler = Scheduler(self.runner, self.kv, max_batch_tokens=c.max_batch_tokens,
+                                   prefill_chunk=c.prefill_chunk, speculate=c.speculate)
+        weakref.finalize(self, self.scheduler.close)
         # The lifecycle keeps the index in step with the live states and reads the hints' predictions.
-        self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, c.prefill_chunk, self.event_ring,
-                                  self.spans, self._ste_before_run)
+        self.requests = Lifecycle(self.kv, self.scheduler, self.handles, lm, self.event_ring, self.spans,
+                                  self._ste_before_run)
 
     def _build_reuse(self) -> None:
         """Cross-prefix reuse: the fidelity audit (its dense re-checks are lifecycle requests, run as

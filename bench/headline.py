@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvbaton.backend.reuse.place import MAX_CONTEXT_GAP
+from kvbaton.backend.reuse.plan import MAX_CONTEXT_GAP
 from kvbaton.backend.reuse.spans import MIN_SPAN
 from kvbaton.bench.common import NOT_MEASURED
 from kvbaton.bench.spread import cell

@@ -467,6 +467,9 @@ class Event(BaseModel):
         description="The agent's steps-to-execution in the hints just before they marked it running: 1 means "
         "the step graph predicted it as the next agent (None: no hint named it, or it was never marked running).",
     )
+    background: bool = Field(
+        default=False, description="The engine's own work (a fidelity audit's dense check), not a user's request.",
+    )
     # cache events
     blocks: int = Field(default=0, description="evict / prefetch: blocks moved.")
     tier: str | None = Field(

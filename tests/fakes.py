@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from kvbaton.backend.cache.block_pool import BlockPool, PoolShape
@@ -189,7 +190,7 @@ class Stack:
 def stack(
     blocks: int = 64, block_size: int = 4, *, prefix_cache: bool = True, tiers: Sequence[str] = (),
     tier_root: Path | None = None, eviction: str = "lru", prefill_chunk: int = 16, max_batch_tokens: int = 64,
-    gather_s: float = 0.0,
+    **scheduling: Any,
 ) -> Iterator[Stack]:
     """An engine's pieces wired as the engine wires them, over a fake runner (closed on exit)."""
     pool = tiny_pool(blocks, block_size)
@@ -204,8 +205,9 @@ def stack(
     ))
     kv = KVManager(pool, cache, threading.RLock(), live=handles.states)
     runner = FakeRunner(pool)
-    scheduler = Scheduler(runner, max_batch_tokens=max(max_batch_tokens, prefill_chunk), gather_s=gather_s)
-    lifecycle = Lifecycle(kv, scheduler, handles, fake_loaded(), prefill_chunk, EventRing(256))
+    scheduler = Scheduler(runner, kv, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
+                          **scheduling)
+    lifecycle = Lifecycle(kv, scheduler, handles, fake_loaded(), EventRing(256))
     try:
         yield Stack(pool, cache, kv, runner, scheduler, handles, lifecycle, ste)
     finally:

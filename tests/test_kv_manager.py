@@ -9,6 +9,7 @@ import pytest
 import torch
 from fakes import chain, stack
 from kvbaton import InvalidRequest, PoolExhausted
+from kvbaton.backend.reuse.plan import compute_all
 from kvbaton.backend.cache.blockfile import BlockDataError
 from kvbaton.backend.cache.prefetch import Prefetcher
 
@@ -52,8 +53,7 @@ def test_a_request_attaches_the_longest_cached_prefix_and_computes_only_the_rest
 def test_only_exact_cacheable_blocks_enter_the_prefix_cache_and_only_in_their_scope():
     with stack() as s:
         approximate = s.state(A)
-        s.lifecycle.admit(approximate, len(A))
-        s.lifecycle.compute(approximate)
+        s.lifecycle.run(approximate, compute_all(approximate))
         approximate.exact_len = 5  # K/V from position 5 on were re-aligned, not computed densely
         s.kv.insert(approximate)
         assert len(s.cache.match(A, 16)) == 1  # the one block before position 5
@@ -69,13 +69,13 @@ def test_only_exact_cacheable_blocks_enter_the_prefix_cache_and_only_in_their_sc
 def test_reserve_takes_every_block_up_front_and_drop_gives_them_all_back():
     with stack(blocks=16) as s:
         state = s.state(list(range(30)))
-        s.lifecycle.admit(state, 40)
+        s.kv.reserve(state, 40)
         assert len(state.blocks) == 10 and s.pool.num_used == 10
         s.kv.drop(state)
         s.kv.drop(state)  # idempotent
         assert state.blocks == [] and s.pool.num_used == 0
         with pytest.raises(InvalidRequest, match="can never fit"):
-            s.lifecycle.admit(s.state(list(range(30))), 65)  # more than the whole pool: no retry helps
+            s.kv.reserve(s.state(list(range(30))), 65)  # more than the whole pool: no retry helps
 
 
 def test_a_full_pool_spills_the_least_recently_used_idle_handle_and_its_next_use_recomputes_it():

@@ -1,17 +1,18 @@
-"""The request lifecycle without a model (backend/runtime/lifecycle.py over tests/fakes.py's runner): admission
-reserves everything up front, a long prompt is prefilled in chunks, the decode loop generates what a dense
-pass would, stale positions ride along with the next chunk, and a request that fails or is abandoned gives
-every block back and is never registered."""
+"""The request lifecycle without a model (backend/runtime/lifecycle.py over tests/fakes.py's runner): a
+generation gives what a dense pass would and registers its handle, a prompt program's stale positions ride
+along with its next chunk, a stop string cuts the state back to the accepted tokens, an unread stream pauses
+its generation, and a request that fails or is abandoned gives every block back and is never registered."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
 from fakes import chain, logits_of, stack
 from kvbaton import SamplingParams
+from kvbaton.backend.reuse.place import recompute_at
+from kvbaton.backend.reuse.plan import Compute, Deviation, Filled
 
 pytestmark = pytest.mark.unit
 
@@ -27,20 +28,6 @@ def _greedy(tokens, n):
     return out
 
 
-def test_a_prompt_alone_is_prefilled_in_chunks_of_the_token_budget():
-    with stack(prefill_chunk=16, max_batch_tokens=32) as s:
-        state = s.materialize(PROMPT)
-        assert s.runner.batches == [[32], [8]]
-        assert torch.equal(s.logits(state), s.runner.dense_logits(PROMPT))
-
-
-def test_a_prompt_beside_a_decoding_request_goes_in_prefill_chunks():
-    with stack(prefill_chunk=16, max_batch_tokens=32) as s:
-        with s.scheduler.decoding():  # another request between its decode steps
-            s.materialize(PROMPT)
-        assert s.runner.batches == [[16], [16], [8]]
-
-
 def test_the_decode_loop_generates_what_a_dense_pass_does_and_registers_the_handle():
     with stack() as s:
         state = s.state(PROMPT)
@@ -50,17 +37,8 @@ def test_the_decode_loop_generates_what_a_dense_pass_does_and_registers_the_hand
         assert result.handle.num_tokens == 46 and result.handle.id in s.handles
         assert s.runner.batches == [[40]] + [[1]] * 5  # the prompt, then the five tokens before the last
         assert state.num_cached == 45  # the last token stays pending for its next user
-        assert len(state.blocks) == 12  # the reservation, trimmed to the tokens
+        assert len(state.blocks) == 12  # the tokens' blocks, no more
         assert s.lifecycle.counters.tokens_generated == 6
-
-
-def test_admission_reserves_the_whole_request_before_computing_anything():
-    with stack(blocks=16) as s:
-        state = s.state(PROMPT)
-        stream = s.lifecycle.stream(state, SamplingParams(max_tokens=20, ignore_eos=True))
-        next(iter(stream))  # admitted, prefilled, first token out
-        assert len(state.blocks) == 15  # 40 + 19 tokens
-        stream.close()
 
 
 @pytest.mark.parametrize("where", ["prefill", "decode"])
@@ -72,8 +50,8 @@ def test_a_request_that_fails_gives_every_block_back_and_is_not_registered(where
             with pytest.raises(RuntimeError, match="device lost"):
                 s.lifecycle.prefill(state)
         else:
-            stream = iter(s.lifecycle.stream(state, SamplingParams(max_tokens=5, ignore_eos=True)))
-            next(stream)
+            stream = iter(s.lifecycle.stream(state, SamplingParams(max_tokens=100, ignore_eos=True)))
+            next(stream)  # it runs ahead of this consumer, then pauses: the next forwards fail
             s.runner.fail = RuntimeError("device lost")
             with pytest.raises(RuntimeError, match="device lost"):
                 list(stream)
@@ -96,24 +74,32 @@ def test_an_abandoned_stream_gives_every_block_back():
 
 
 def test_stale_positions_are_recomputed_in_the_next_chunk_with_the_new_tokens():
-    with stack() as s:
-        state = s.state(PROMPT + [1, 2, 3])
-        s.lifecycle.admit(state, state.num_tokens)
-        s.lifecycle.compute_until(state, 40)
+    """A prompt program (as a reuse plan is) yields what it needs computed; positions it marks stale ride along
+    with the tokens of its next chunk, in one forward, and come out as a dense pass writes them."""
+    seen = {}
+
+    def program(state):
+        yield Compute(40)
         slot = s.runner.slot(state.blocks, 38)
         s.pool.k[:, :, slot] = s.pool.v[:, :, slot] = 0.0  # as if re-aligned from another context
-        assert s.runner.deviation(state.blocks, 37, PROMPT[37:39]).tolist() == [0.0, 1.0]
-        s.lifecycle.recompute_at(state, [38])
-        logits = s.lifecycle.compute(state)
+        seen["deviation"] = (yield Deviation(37, 2)).tolist()
+        recompute_at(state, [38])
+        logits = yield Compute(state.num_tokens)
+        return Filled(logits)
+
+    with stack() as s:
+        state = s.state(PROMPT + [1, 2, 3])
+        s.lifecycle.run(state, program(state), register=True)
+        assert seen["deviation"] == [0.0, 1.0]
         assert s.runner.batches[-1] == [4]  # position 38, then the three new tokens, in one chunk
         assert s.runner.rows(state.blocks, 43) == chain(PROMPT + [1, 2, 3])
-        assert torch.equal(logits, s.runner.dense_logits(PROMPT + [1, 2, 3]))
+        assert torch.equal(s.logits(state), s.runner.dense_logits(PROMPT + [1, 2, 3]))
 
 
-def test_a_plain_generation_is_stepped_by_the_scheduler_and_cut_back_to_its_stop_string():
-    """After its first token, a plain generation's steps run on the scheduler thread, which may compute tokens
-    past a stop string before the request sees it: they are cut off, the handle holds exactly the accepted
-    tokens (the last pending), and a continuation from it is what a dense pass gives."""
+def test_a_generation_is_cut_back_to_its_stop_string():
+    """The scheduler may compute tokens past a stop string before the consumer sees it: they are cut off, the
+    handle holds exactly the accepted tokens (the last pending), and a continuation from it is what a dense
+    pass gives."""
     want = _greedy(PROMPT, 40)
     with stack() as s:
         state = s.state(PROMPT)
@@ -141,21 +127,3 @@ def test_a_generation_runs_at_most_AHEAD_tokens_ahead_of_a_consumer_that_does_no
         assert len(state.token_ids) == len(PROMPT) + 1 + AHEAD  # paused: the queue holds AHEAD unread tokens
         rest = [chunk.token_ids[0] for chunk in stream]
         assert first.token_ids + rest == want and s.lifecycle.counters.tokens_generated == AHEAD + 10
-
-
-def test_plain_generations_stepped_together_each_get_what_a_dense_pass_gives():
-    prompts = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(6)]
-    with stack(blocks=256, max_batch_tokens=256) as s:
-        states = [s.state(p) for p in prompts]
-        streams = [s.lifecycle.stream(st, SamplingParams(max_tokens=12, ignore_eos=True)) for st in states]
-        results = [None] * len(streams)
-
-        def run(i):
-            results[i] = streams[i].until_done()
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(streams))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert [r.token_ids for r in results] == [_greedy(p, 12) for p in prompts]

@@ -220,10 +220,11 @@ def test_compose_over_http(server):
 
 def test_selective_recomputation_rides_along_with_the_next_forward(engine):
     """A blended segment's recomputed tokens are computed in the state's next forward, together with the
-    tokens after them (``Forward.recompute_at``, the lifecycle's), not in a forward of their own: the K/V and the
-    logits are the same either way (each query sees the keys up to its own position; every layer writes
-    its new K/V before reading), one pass over the weights fewer."""
-    from kvbaton.backend.compute.runner import Chunk
+    tokens after them (``place.recompute_at``), not in a forward of their own: the K/V and the logits are the
+    same either way (each query sees the keys up to its own position; every layer writes its new K/V before
+    reading), one pass over the weights fewer."""
+    from kvbaton.backend.reuse.place import recompute_at
+    from kvbaton.backend.reuse.plan import Compute, Filled
     from kvbaton.handle import LineageStep, Op
 
     sys_a, sys_b, doc = system(engine, SYSTEM_A), system(engine, SYSTEM_B), shared_doc(engine, 4)
@@ -232,25 +233,27 @@ def test_selective_recomputation_rides_along_with_the_next_forward(engine):
     src_state = engine.handles.get(source)
     offset = len(sys_b)
     picked = [offset + i for i in (2, 9, 40, len(doc) - 1)]
+
+    def program(state, deferred):
+        yield Compute(offset)
+        engine.kv.copy_rows(src_state, len(sys_a), state, offset, len(doc),
+                            engine.placer.shifter.rotation(len(sys_a), offset, len(doc)))
+        recompute_at(state, picked)
+        assert state.stale == picked
+        if not deferred:  # a forward of the recomputed tokens alone, first
+            yield Compute(state.num_cached)
+            assert state.stale == []
+        return Filled((yield Compute(state.num_tokens)))
+
     out = []
     for deferred in (True, False):
         tokens = sys_b + doc + tail
         state = engine.kv.share(None, 0, tokens, LineageStep(op=Op.COMPOSE, token_ids=tuple(tokens)))
         state.cacheable = False
         try:
-            engine.kv.reserve(state, len(tokens))
-            engine.requests.compute_until(state, offset)
-            engine.kv.copy_rows(src_state, len(sys_a), state, offset, len(doc),
-                                engine.placer.shifter.rotation(len(sys_a), offset, len(doc)))
-            if deferred:
-                engine.requests.recompute_at(state, picked)
-                assert state.stale == picked
-            else:
-                engine.scheduler.run(Chunk(list(state.blocks), picked[0], [tokens[p] for p in picked],
-                                           positions=picked))
-            logits = engine.requests.compute(state)
+            engine.requests.run(state, program(state, deferred), attach=False)
             assert state.stale == [] and state.num_cached == len(tokens)
-            out.append((logits, *engine.kv.read_rows(state, 0, len(tokens))))
+            out.append((state.last_logits, *engine.kv.read_rows(state, 0, len(tokens))))
         finally:
             engine.kv.drop(state)
     engine.release(source)
@@ -276,6 +279,7 @@ def test_placing_every_span_at_once_equals_placing_them_one_by_one(engine):
     """A prompt quoting several spans behind a new prefix: ``place_all`` moves them all, selects each one's
     most-deviating tokens in one two-layer pass and computes the tokens between them in the prompt's
     forward, giving the reports, K/V and logits that placing the spans one at a time gives."""
+    from kvbaton.backend.reuse.plan import Compute, Filled
     from kvbaton.handle import LineageStep, Op
 
     sys_a, sys_b, doc = system(engine, SYSTEM_A), system(engine, SYSTEM_B), shared_doc(engine, 6, 200)
@@ -285,21 +289,24 @@ def test_placing_every_span_at_once_equals_placing_them_one_by_one(engine):
     tokens = sys_b + doc[:80] + between + doc[120:200] + tail
     second = len(sys_b) + 80 + len(between)
     spans = [(src, len(sys_a), len(sys_a) + 80, len(sys_b)), (src, len(sys_a) + 120, len(sys_a) + 200, second)]
+    def program(state, at_once):
+        if at_once:
+            reports = yield from engine.placer.place_all(state, spans, "blend")
+        else:
+            reports = []
+            for i, span in enumerate(spans):
+                reports.append((yield from engine.placer.place(state, i, *span, mode="blend")))
+        return Filled((yield Compute(state.num_tokens)), reports)
+
     out = []
     for at_once in (True, False):
         state = engine.kv.share(None, 0, tokens, LineageStep(op=Op.COMPOSE, token_ids=tuple(tokens)))
         state.cacheable = False
         try:
-            engine.kv.reserve(state, len(tokens))
-            if at_once:
-                reports = engine.placer.place_all(engine.requests, state, spans, "blend")
-            else:
-                reports = [engine.placer.place(engine.requests, state, i, *span, mode="blend")
-                           for i, span in enumerate(spans)]
-            logits = engine.requests.compute(state)
+            _, prompted = engine.requests.run(state, program(state, at_once), attach=False)
             assert state.exact_len == len(sys_b)
-            out.append(([(r.outcome, r.offset, r.tokens_reused, r.exact) for r in reports], logits,
-                        *engine.kv.read_rows(state, 0, len(tokens))))
+            out.append(([(r.outcome, r.offset, r.tokens_reused, r.exact) for r in prompted.segments],
+                        state.last_logits, *engine.kv.read_rows(state, 0, len(tokens))))
         finally:
             engine.kv.drop(state)
     engine.release(source)

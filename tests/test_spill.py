@@ -76,12 +76,13 @@ def test_blocks_of_requests_in_flight_are_not_spillable(corpus_tokens):
     engine = Engine(kv_budget="60 blocks")
     idle = engine.materialize(corpus_tokens[:100])  # 7 blocks: spillable, but not enough
     stream = engine.complete_stream(corpus_tokens[1000:1600], SamplingParams(max_tokens=200, ignore_eos=True))
-    next(stream)  # admitted: its 50 blocks are held until it ends
+    next(stream)  # running: its ~40 blocks (the prompt's and those of the tokens it ran ahead) are its own
+    # 24 blocks: ~13 free + 7 spillable is not enough, and the stream, unread, gives nothing back
     with pytest.raises(PoolExhausted):
-        engine.materialize(corpus_tokens[2000:2300])  # 19 blocks: 3 free + 7 spillable is not enough
+        engine.materialize(corpus_tokens[2000:2380])
     assert not engine.kv.spiller.spilled  # and nothing was spilled for a reservation that fails anyway
     stream.close()
-    engine.release(engine.materialize(corpus_tokens[2000:2300]))  # fits once the stream is gone
+    engine.release(engine.materialize(corpus_tokens[2000:2380]))  # fits once the stream is gone
     assert_pool_drains(engine, [idle])
     engine.close()
 

@@ -3,14 +3,13 @@
 It owns block reservation (with copy-on-write), attaching a cached prefix from the radix cache,
 loading evicted blocks back from the slow tiers (one path, for a request's miss and for prefetch
 alike), offering finished blocks to the cache, dropping and trimming a state's blocks, and reading
-or writing K/V rows of a state. When a reservation cannot be met after evicting the cache, idle
-live handles are spilled (:mod:`.spill`) before :class:`PoolExhausted` is raised.
+or writing K/V rows of a state. A reservation short of blocks asks the one owner of kept KV
+(:class:`~.store.KeptKV`: the prefix cache, retained approximate states, idle live handles, in one
+priority order) once, then raises :class:`PoolExhausted`; it never waits (requests wait in the scheduler).
 
-Released approximate states are a cache too (:meth:`retain`): their K/V cannot enter the prefix cache, but
+Released approximate states are kept KV too (:meth:`retain`): their K/V cannot enter the prefix cache, but
 the same agent's next turn resumes from them (``reuse="auto"``), so a workflow that releases each result at
-once (the README's pattern) keeps that resume. At most :data:`MAX_RETAINED` of them, the oldest first, and a
-reservation short of blocks drops them before it evicts the prefix cache (exact, and shared by every agent;
-a retained state serves one possible next turn): they never push exact K/V out or make a request fail.
+once (the README's pattern) keeps that resume (:mod:`.store` bounds and ranks them).
 
 Invariants:
 
@@ -34,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -49,16 +48,13 @@ from .eviction import EvictionPolicy, make_policy
 from .radix import NodeState, RadixCache, RadixNode
 from .sequence import KVState
 from .spill import Spiller
+from .store import KeptKV
 from .tiers import TierSpec, make_tier
 
 log = logging.getLogger(__name__)
 
-# A request its consumer has left at a yield for this long is not counted on to give blocks back soon.
-SUSPENDED_GRACE_S = 0.5
 # Blocks :meth:`KVManager.fill` holds in host memory and writes in one batched copy.
 FILL_BATCH = 64
-# Released approximate states kept for their own next turn (:meth:`KVManager.retain`).
-MAX_RETAINED = 64
 
 
 @dataclass
@@ -93,15 +89,11 @@ class KVManager:
         # The prefix-cache partition of a state (one by default; a multi-tenant server's engine: the state's tenant).
         self.partition = partition
         self.spiller = Spiller(pool, cache, live, partition)  # ``live``: the engine's live states
+        # The one owner of kept KV: the prefix cache, retained approximate states, idle handles (store.py).
+        self.kept = KeptKV(pool, cache, self.spiller, on_freed=self._blocks_back)
         self.mover = cache.mover if cache is not None else BlockMover(pool)  # batched block copies (device_ops)
         self._pinned: Counter[int] = Counter()  # blocks read outside the lock (compose sources): never spilled
-        # Requests holding reserved blocks until they finish (``reserve(..., wait_s=)``): a reservation that
-        # does not fit waits for them rather than failing while their blocks are about to come back.
-        self._in_flight: dict[str, KVState] = {}
-        self._suspended: dict[str, float] = {}  # in flight, but left at a yield by its consumer (since when)
-        self.freed = threading.Condition(lock)  # signalled when blocks may have come back
-        self._last_back = time.monotonic()  # when blocks last came back (a waiting reservation's progress)
-        self._retained: OrderedDict[str, KVState] = OrderedDict()  # released approximate states, oldest first
+        self._last_back = time.monotonic()  # when blocks last came back (a waiting request's progress)
 
     # -- states --------------------------------------------------------------------------------
     def share(self, parent: KVState | None, keep: int, added: Sequence[int], step: LineageStep) -> KVState:
@@ -140,59 +132,22 @@ class KVManager:
                 "max_tokens, or raise kv_budget"
             )
 
-    def reserve(self, state: KVState, num_tokens: int, wait_s: float = 0.0) -> None:
+    def reserve(self, state: KVState, num_tokens: int) -> None:
         """Make ``state`` own writable blocks for positions ``num_cached..num_tokens-1``, or raise:
-        :class:`InvalidRequest` if it could never fit, :class:`PoolExhausted` if it does not fit now.
-
-        With ``wait_s``, a request (it then counts as in flight until it is registered or dropped) that does
-        not fit waits while other requests in flight hold blocks: they reserved all they need, so they
-        finish and give blocks back (to free, to the cache, or as idle handles that can be spilled). It
-        waits at most ``wait_s`` since blocks last came back: a burst of cold requests queues however slow
-        the machine is, as long as the queue moves. With nothing in flight, or once no blocks came back
-        for ``wait_s``, it is :class:`PoolExhausted` at once, as before."""
-        deadline = time.monotonic() + wait_s
+        :class:`InvalidRequest` if it could never fit, :class:`PoolExhausted` if it does not fit now (after
+        dropping retained states, evicting the prefix cache and spilling idle handles, in that order). It
+        never waits: a request that does not fit waits in the scheduler's line instead."""
         with self.lock:
-            while True:
-                try:
-                    self._reserve_now(state, num_tokens)
-                    break
-                except PoolExhausted:
-                    deadline = max(deadline, self._last_back + wait_s)  # the queue moved: wait on
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not self._progressing(state):
-                        raise
-                    self.freed.wait(min(left, 0.25))  # woken when blocks may be back; polls in any case
-            if wait_s > 0:
-                self._in_flight[state.id] = state
+            self._reserve_now(state, num_tokens)
 
-    def _progressing(self, waiter: KVState) -> bool:
-        """Whether another request in flight holds blocks and is running: not one its consumer has left at
-        a yield for a while (a paused stream gives nothing back until someone reads it)."""
-        now = time.monotonic()
-        return any(
-            s.blocks and now - self._suspended.get(i, now) < SUSPENDED_GRACE_S
-            for i, s in self._in_flight.items() if i != waiter.id
-        )
-
-    def suspend(self, state: KVState, suspended: bool = True) -> None:
-        """A request in flight is (or no longer is) waiting for its consumer to read its next chunk. No lock:
-        once per token, and one dict operation is atomic; a waiter reads it at its next poll at the latest."""
-        if not suspended:
-            self._suspended.pop(state.id, None)
-        elif state.id in self._in_flight:
-            self._suspended[state.id] = time.monotonic()
-
-    def finished(self, state: KVState) -> None:
-        """A request in flight is a live handle now: idle, so a waiting reservation may spill it."""
-        with self.lock:
-            self._suspended.pop(state.id, None)
-            if self._in_flight.pop(state.id, None) is not None:
-                self._blocks_back()
+    @property
+    def last_back(self) -> float:
+        """When blocks last came back to the pool (``time.monotonic``): a waiting request's progress."""
+        return self._last_back
 
     def _blocks_back(self) -> None:
-        """Wake reservations waiting for blocks (lock held)."""
+        """Blocks came back (lock held)."""
         self._last_back = time.monotonic()
-        self.freed.notify_all()
 
     def _reserve_now(self, state: KVState, num_tokens: int) -> None:
         bs = self.block_size
@@ -202,12 +157,8 @@ class KVManager:
             cow = write_at % bs != 0 and write_at < num_tokens and self.pool.refcount(state.blocks[write_at // bs]) > 1
             missing = max(0, self._blocks_for(num_tokens) - len(state.blocks))
             needed = missing + int(cow)
-            if needed > self.pool.num_free and self._retained:  # kept for one possible use: they go first
-                self._drop_retained(needed - self.pool.num_free)
-            if needed > self.pool.num_free and self.cache is not None:
-                self.cache.evict(needed - self.pool.num_free)
-            if needed > self.pool.num_free:  # the last resort: idle live handles
-                self.spiller.free(needed - self.pool.num_free, self._pinned, exclude=state)
+            if needed > self.pool.num_free:  # kept KV gives blocks back, in one order (store.py)
+                self.kept.free(needed - self.pool.num_free, exclude=state, pinned=self._pinned)
             if needed > self.pool.num_free:
                 raise PoolExhausted(
                     f"KV pool exhausted: the request needs {needed} more blocks of {bs} tokens, "
@@ -231,6 +182,12 @@ class KVManager:
                 del state.blocks[keep:]
                 self._blocks_back()
 
+    def release_blocks(self, state: KVState) -> None:
+        """Give back every block of a request's state and keep its tokens, to be recomputed (preemption)."""
+        self.drop(state)
+        state.num_cached = 0
+        state.stale.clear()
+
     def drop(self, state: KVState) -> None:
         """Give back every block of the state (idempotent)."""
         with self.lock:
@@ -238,63 +195,33 @@ class KVManager:
             state.blocks = []
             state.last_logits = None
             self.spiller.forget(state)
-            self._in_flight.pop(state.id, None)
-            self._suspended.pop(state.id, None)
             self._blocks_back()
 
-    # -- released approximate states ------------------------------------------------------------
+    # -- released approximate states (kept KV: store.py) ------------------------------------------
     def retain(self, state: KVState) -> None:
-        """Keep a released approximate state's blocks, as a cache: until its own next turn takes it
-        (:meth:`unretain`), :data:`MAX_RETAINED` newer ones push it out, or a reservation needs its blocks."""
+        """Keep a released approximate state's blocks for its own next turn (:meth:`.store.KeptKV.retain`)."""
         with self.lock:
-            self.spiller.forget(state)
-            self._in_flight.pop(state.id, None)
-            self._suspended.pop(state.id, None)
-            self._retained[state.id] = state
-            while len(self._retained) > MAX_RETAINED:
-                self._release_retained(next(iter(self._retained)))
+            self.kept.retain(state)
 
     def is_retained(self, state: KVState) -> bool:
-        return self._retained.get(state.id) is state
+        return self.kept.is_retained(state)
 
     def unretain(self, state: KVState) -> None:
-        """Stop keeping ``state`` (taken by its next turn, which holds its own references now)."""
         with self.lock:
-            if self.is_retained(state):
-                self._release_retained(state.id)
+            self.kept.unretain(state)
 
     def drop_retained(self) -> None:
-        """Drop every retained state (a cache flush)."""
         with self.lock:
-            for state_id in list(self._retained):
-                self._release_retained(state_id)
+            self.kept.drop_retained()
 
     @property
     def retained_blocks(self) -> int:
         with self.lock:
-            return sum(len(state.blocks) for state in self._retained.values())
+            return self.kept.retained_blocks
 
     def retained_only_blocks(self) -> int:
-        """Blocks nothing but retained states (and the prefix cache) references."""
         with self.lock:
-            refs = Counter(b for state in self._retained.values() for b in state.blocks)
-            cached = self.cache.cached_blocks() if self.cache is not None else set()
-            return sum(1 for b, n in refs.items() if self.pool.refcount(b) == n + (b in cached))
-
-    def _drop_retained(self, blocks: int) -> None:
-        """Free at least ``blocks`` blocks by dropping retained states, the oldest first (lock held)."""
-        before = self.pool.num_free
-        while self._retained and self.pool.num_free - before < blocks:
-            self._release_retained(next(iter(self._retained)))
-
-    def _release_retained(self, state_id: str) -> None:
-        state = self._retained.pop(state_id)
-        self.spiller.forget(state)
-        self.pool.decref(state.blocks)
-        state.blocks = []
-        state.num_cached = 0
-        state.last_logits = None
-        self._blocks_back()
+            return self.kept.retained_only_blocks()
 
     def pin(self, blocks: Sequence[int]) -> None:
         """Keep blocks readable while their owner may be released (compose sources, exports)."""
@@ -466,7 +393,7 @@ class KVManager:
         are waited for. A block that cannot be read back is forgotten and its tokens recomputed.
         """
         cache, partition = self.cache, self.partition(state)
-        if cache is None or partition is None or state.num_tokens - 1 <= state.num_cached:
+        if cache is None or partition is None or not state.cacheable or state.num_tokens - 1 <= state.num_cached:
             return
         stuck = False  # the last load-back could begin nothing (no room): take what is on the device
         while True:
@@ -527,8 +454,8 @@ class KVManager:
         slow = sum(n.state is NodeState.SLOW for n in path)
         if slow > self.pool.num_free:
             keep = {id(n) for n in path}
-            self.spiller.free(slow - self.pool.num_free, self._pinned, exclude=state,
-                              allowed=lambda node: id(node) not in keep)
+            self.kept.free(slow - self.pool.num_free, exclude=state, pinned=self._pinned,
+                           allowed=lambda node: id(node) not in keep)
 
     def slow_fixed_path(self, agent: str) -> list[RadixNode]:
         """The cache path of an agent's fixed prompt when part of it is in a slow tier, else []."""

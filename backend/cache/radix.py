@@ -156,7 +156,12 @@ class RadixCache:
             node = child
         return path
 
-    def insert(self, tokens: Sequence[int], blocks: list[int], num_full: int, partition: str = "") -> None:
+    def tick(self) -> int:
+        """A time on the cache's clock (what ``last_access`` counts): later calls give larger values."""
+        return next(self._clock)
+
+    def insert(self, tokens: Sequence[int], blocks: list[int], num_full: int, partition: str = "",
+               last_access: int | None = None) -> None:
         """Cache the first ``num_full`` blocks of a sequence whose K/V are in ``blocks``, in ``partition``.
 
         Where the tree already holds a block for the same prefix, the sequence switches to the
@@ -166,7 +171,7 @@ class RadixCache:
         if num_full <= 0:
             return
         node = self._root(partition)
-        now = next(self._clock)
+        now = next(self._clock) if last_access is None else last_access  # a spilled handle's: its last use
         for i, key in enumerate(self._keys(tokens, num_full)):
             child = node.children.get(key)
             if child is None:
@@ -186,7 +191,7 @@ class RadixCache:
                 self.pool.incref([blocks[i]])
                 self.device_nodes += 1
             # LOADING: the loader will fill it; the sequence keeps its own block meanwhile.
-            child.last_access = now
+            child.last_access = max(child.last_access, now)
             node = child
 
     # -- eviction -------------------------------------------------------------------------------
@@ -198,16 +203,19 @@ class RadixCache:
             and not any(c.state in (NodeState.DEVICE, NodeState.LOADING) for c in node.children.values())
         )
 
+    def evictable_leaves(self, allowed: Callable[[RadixNode], bool] | None = None) -> list[RadixNode]:
+        return [node for node in self._walk_all() if self.evictable(node) and (allowed is None or allowed(node))]
+
+    def mark_offloading(self, node: RadixNode) -> None:
+        """Choose an evictable node as a victim (its parent may become a leaf); :meth:`offload` finishes it."""
+        node.state = NodeState.OFFLOADING
+
     def evict(self, n: int, allowed: Callable[[RadixNode], bool] | None = None) -> int:
         """Free up to ``n`` pool blocks, offloading to the first slow tier when there is one.
 
         The victims are chosen first (each marked offloading, so its parent can become a leaf), then their
         blocks are read in one batched copy (:class:`~.device_ops.BlockMover`) and stored in order."""
-        heap = [
-            (self.policy.priority(node), node.id, node)
-            for node in self._walk_all()
-            if self.evictable(node) and (allowed is None or allowed(node))
-        ]
+        heap = [(self.policy.priority(node), node.id, node) for node in self.evictable_leaves(allowed)]
         heapq.heapify(heap)
         evicted: list[RadixNode] = []
         while heap and len(evicted) < n:
@@ -215,11 +223,16 @@ class RadixCache:
             if not self.evictable(node):
                 continue
             parent = node.parent
-            node.state = NodeState.OFFLOADING
+            self.mark_offloading(node)
             evicted.append(node)
             if parent is not None and parent.parent is not None and self.evictable(parent):  # not a root
                 if allowed is None or allowed(parent):
                     heapq.heappush(heap, (self.policy.priority(parent), parent.id, parent))
+        return self.offload(evicted)
+
+    def offload(self, evicted: list[RadixNode]) -> int:
+        """Finish evicting nodes marked offloading: their blocks read in one batched copy and stored in the first
+        tier in order (dropped without one), the blocks given back; how many."""
         blocks = [node.block for node in evicted]
         data = self.mover.to_host(blocks) if self.tiers else [None] * len(evicted)  # type: ignore[arg-type]
         for node, block, kv in zip(evicted, blocks, data):

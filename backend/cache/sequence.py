@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -37,3 +38,8 @@ class KVState:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def view(self) -> KVState:
+        """A reader's copy of this state as it is now: releasing the state (which empties its block list)
+        leaves the view's blocks as they were, readable for as long as the reader pins them."""
+        return dataclasses.replace(self, blocks=list(self.blocks), stale=list(self.stale))

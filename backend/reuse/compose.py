@@ -34,24 +34,23 @@ from ..cache.sequence import KVState
 from ..handles import HandleTable
 from ..inputs import Context, Inputs
 from ..tenants import check_label
-from .correction import CorrectionConfig
-from .place import Forward, Placer, top2_margin
+from .correction import AnchorPool, CorrectionConfig
+from .place import Placer
+from .plan import Compute, Filled, Program, compute_all, top2_margin
 
 MODES = ("auto", "blend", "rotate", "dense")
 _REFERENCES = 16  # remembered dense continuations of reference handles
 
 
-class Requests(Forward, Protocol):
-    """The request runtime a composition runs with (:class:`~..runtime.lifecycle.Lifecycle`): the
-    forwards placement needs, admission and registration of a state, and whole requests."""
+class Requests(Protocol):
+    """The request runtime a composition runs with (:class:`~..runtime.lifecycle.Lifecycle`): running a
+    prompt program (its handle registered, or the state left to the caller), publishing and releasing states,
+    and whole generations."""
 
-    def admit(self, state: KVState, num_tokens: int) -> int: ...
-
-    def register(self, state: KVState, reused: int | None = None) -> Handle: ...
+    def run(self, state: KVState, program: Program[Filled], *, attach: bool = True, register: bool = False,
+            count: bool = True) -> tuple[Handle | None, Any]: ...
 
     def publish(self, state: KVState) -> Handle: ...
-
-    def abandon(self, state: KVState) -> None: ...
 
     def release(self, state: KVState) -> None: ...
 
@@ -112,7 +111,7 @@ class Composer:
             tokens = list(prefix_tokens)
             offsets = []
             for i, part in enumerate(parts):
-                src = self._handles.get(part.handle)
+                src = self._handles.get(part.handle).view()  # a release meanwhile leaves what is pinned readable
                 start, end = part.bounds()
                 if not start < end <= src.num_tokens:
                     raise InvalidRequest(
@@ -132,33 +131,12 @@ class Composer:
             pinned = [b for src, *_ in sources for b in src.blocks]
             self._kv.pin(pinned)  # the sources may be released meanwhile: keep their K/V readable
         try:
-            reused_before = self._life.admit(state, state.num_tokens)
-            reports = []
-            for i, ((src, start, end, slot), offset) in enumerate(zip(sources, offsets, strict=True)):
-                reports.append(self._placer.place(self._life, state, i, src, start, end, offset, mode, pool, slot))
-            logits = self._life.compute_until(state, state.num_tokens)
-            margin = None
-            if state.exact_len is not None:
-                if logits is None and mode in ("auto", "blend"):
-                    # The prompt ends inside an approximated segment: recompute its last token for the logits.
-                    state.num_cached -= 1
-                    logits = self._life.compute_until(state, state.num_tokens)
-                if logits is not None:
-                    margin = top2_margin(logits)
-                cfg = pool.config
-                threshold = cfg.blend_min_margin if mode == "blend" else cfg.min_margin
-                if margin is not None and mode in ("auto", "blend") and margin < threshold:
-                    why = (f"low confidence: next-token margin {margin:.2f} < min_margin {threshold:g} "
-                           "after approximation; ")
-                    reports = self._placer.recompute_unsure(self._life, state, reports, state.exact_len, why)
-            # Tokens found in the prefix cache are already counted in reused_before.
-            reused = reused_before + sum(r.tokens_reused for r in reports)
-            handle = self._life.register(state, reused)
-        except BaseException:
-            self._life.abandon(state)
-            raise
+            handle, prompted = self._life.run(
+                state, self._placed(state, sources, offsets, mode, pool), register=True)
         finally:
             self._kv.unpin(pinned)
+        assert handle is not None
+        reports, margin, reused = prompted.segments, prompted.extra, prompted.reused
         return Composition(
             handle=handle,
             segments=reports,
@@ -168,6 +146,31 @@ class Composer:
             compose_s=time.perf_counter() - t0,
             margin=margin,
         )
+
+    def _placed(
+        self, state: KVState, sources: Sequence[tuple[KVState, int, int, str]], offsets: Sequence[int], mode: str,
+        pool: AnchorPool,
+    ) -> Program[Filled]:
+        """The composition's program: each segment placed in turn, the rest computed, the confidence gate."""
+        reports = []
+        for i, ((src, start, end, slot), offset) in enumerate(zip(sources, offsets, strict=True)):
+            reports.append((yield from self._placer.place(state, i, src, start, end, offset, mode, pool, slot)))
+        logits = yield Compute(state.num_tokens)
+        margin = None
+        if state.exact_len is not None:
+            if logits is None and mode in ("auto", "blend"):
+                # The prompt ends inside an approximated segment: recompute its last token for the logits.
+                state.num_cached -= 1
+                logits = yield Compute(state.num_tokens)
+            if logits is not None:
+                margin = top2_margin(logits)
+            cfg = pool.config
+            threshold = cfg.blend_min_margin if mode == "blend" else cfg.min_margin
+            if margin is not None and mode in ("auto", "blend") and margin < threshold:
+                why = (f"low confidence: next-token margin {margin:.2f} < min_margin {threshold:g} "
+                       "after approximation; ")
+                reports = yield from self._placer.recompute_unsure(state, reports, state.exact_len, why)
+        return Filled(logits, reports, extra=margin)
 
     def read_rows(self, handle: HandleLike, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a live handle's positions ``start..start+n-1``: ``[layers, kv_heads, n, head_dim]``."""
@@ -282,13 +285,7 @@ class Composer:
         release it)."""
         state = self._kv.share(None, 0, tokens, LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)))
         state.cacheable = False
-        try:
-            self._kv.reserve(state, state.num_tokens)
-            self._life.compute(state)
-        except BaseException:
-            self._life.abandon(state)
-            raise
-        self._life.register(state)
+        self._life.run(state, compute_all(state), attach=False, register=True, count=False)
         return state
 
     def logits_along(self, handle: HandleLike, tokens: Sequence[int]) -> torch.Tensor:
@@ -299,7 +296,6 @@ class Composer:
             state = self._kv.share(parent, last, [parent.token_ids[last], *tokens], LineageStep(op=Op.RESUME))
             state.num_cached = min(state.num_cached, last)
         try:
-            self._kv.reserve(state, state.num_tokens)
             return self._life.logits_after_each(state)[-(len(tokens) + 1) :]
         finally:
             self._kv.drop(state)
@@ -312,8 +308,9 @@ class Composer:
             self._inputs.check_context(parent.num_tokens + len(tokens))
             state = self._kv.share(parent, parent.num_tokens, tokens, LineageStep(op=Op.RESUME, parent=parent.id))
         try:
-            self._kv.reserve(state, state.num_tokens)
-            return self._life.compute(state).clone()
+            self._life.run(state, compute_all(state), attach=False)
+            assert state.last_logits is not None
+            return state.last_logits.clone()
         finally:
             self._kv.drop(state)
 

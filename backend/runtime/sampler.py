@@ -1,11 +1,66 @@
-"""Turning next-token logits into a token under a request's sampling parameters; the token's log probability."""
+"""Turning next-token logits into tokens: every row of a step at once (:func:`sample_rows`), or one row.
+
+A step's rows are sampled together: the rows that need it are masked (a grammar's allowed tokens, EOS
+before ``min_tokens``), the greedy ones take one batched argmax, the others are drawn one by one from
+their own generator (a seeded request gives the same tokens whatever else runs beside it), and the log
+probabilities asked for are read from the unmasked rows (the model's distribution at temperature 1).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from kvbaton.types import SamplingParams, TokenLogprob, TopLogprob
+
+from .request import RawLogprob
+
+if TYPE_CHECKING:
+    from .request import Request
+
+
+def sample_rows(
+    logits: Sequence[torch.Tensor], requests: Sequence[Request],
+) -> tuple[list[int], list[RawLogprob | None]]:
+    """The next token of each request from its row of ``logits`` (``[vocab]`` each, fp32), and its log
+    probability where the request asks for them."""
+    rows, copied = _batch(logits)
+    logprobs: list[RawLogprob | None] = [None] * len(requests)
+    wanted = [i for i, r in enumerate(requests) if r.params is not None and r.params.logprobs]
+    distributions = torch.log_softmax(rows[wanted].float(), dim=-1) if wanted else None  # before any mask
+    masked = [i for i, r in enumerate(requests)
+              if r.constraint is not None or (r.generated < r.params.min_tokens and r.banned)]  # type: ignore[union-attr]
+    if masked and not copied:
+        rows = rows.clone()  # masking leaves the runner's logits alone
+    for i in masked:
+        request = requests[i]
+        if request.constraint is not None:
+            rows[i] = request.constraint.mask(rows[i])
+        if request.generated < request.params.min_tokens:  # type: ignore[union-attr] - too early to end: no EOS
+            rows[i, request.banned] = float("-inf")
+    greedy = [r.params is not None and r.params.greedy for r in requests]
+    best = torch.argmax(rows, dim=-1).tolist() if any(greedy) else []
+    tokens = [best[i] if greedy[i] else sample(rows[i], r.params, r.rng)  # type: ignore[arg-type]
+              for i, r in enumerate(requests)]
+    for j, i in enumerate(wanted):
+        assert distributions is not None
+        row, top = distributions[j], requests[i].params.top_logprobs  # type: ignore[union-attr]
+        values, ids = torch.topk(row, top) if top else (row[:0], row[:0].long())
+        logprobs[i] = (tokens[i], float(row[tokens[i]]), list(zip(ids.tolist(), values.tolist(), strict=True)))
+    return tokens, logprobs
+
+
+def _batch(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """``[n, vocab]`` of the rows, and whether it is a copy: consecutive rows of one tensor (a runner's batch of
+    decode rows) are used in place, anything else is stacked."""
+    first = rows[0]
+    base = first._base
+    if base is not None and base.dim() == 2 and first.dim() == 1 and first.is_contiguous():
+        width, start = base.stride(0), first.storage_offset()
+        if all(r._base is base and r.storage_offset() == start + i * width for i, r in enumerate(rows)):
+            return base.as_strided((len(rows), first.shape[0]), (width, 1), start), False
+    return torch.stack(list(rows)), True
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -49,17 +104,15 @@ def token_text(raw: bytes) -> str:
         return "bytes:" + "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in raw)
 
 
-def token_logprob(logits: torch.Tensor, token: int, top: int, vocab: Callable[[int], bytes]) -> TokenLogprob:
-    """The log probability of ``token`` under ``logits`` (the model's distribution at temperature 1,
-    before any constraint), with the ``top`` most likely tokens; ``vocab`` gives a token's own bytes
-    (a byte-level BPE fragment's too, where decoding it alone would give U+FFFD)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+def token_logprob(raw: RawLogprob, vocab: Callable[[int], bytes]) -> TokenLogprob:
+    """A sampled token's log probability (the model's distribution at temperature 1, before any constraint),
+    with the most likely tokens; ``vocab`` gives a token's own bytes (a byte-level BPE fragment's too, where
+    decoding it alone would give U+FFFD)."""
+    token, logprob, top = raw
     alternatives = []
-    if top:
-        values, ids = torch.topk(logprobs, top)
-        for v, i in zip(values.tolist(), ids.tolist(), strict=True):
-            raw = vocab(int(i))
-            alternatives.append(TopLogprob(token_id=int(i), token=token_text(raw), logprob=float(v), bytes=list(raw)))
-    raw = vocab(token)
-    return TokenLogprob(token_id=token, token=token_text(raw), logprob=float(logprobs[token]), bytes=list(raw),
+    for i, v in top:
+        text = vocab(i)
+        alternatives.append(TopLogprob(token_id=i, token=token_text(text), logprob=v, bytes=list(text)))
+    text = vocab(token)
+    return TokenLogprob(token_id=token, token=token_text(text), logprob=logprob, bytes=list(text),
                         top_logprobs=alternatives)
