@@ -10,6 +10,8 @@ BENCHMARKS = {
     "ttft": ("kvbaton.bench.ttft", "TTFT: text replay vs resume from a handle vs the question-only floor"),
     "adapter_overhead": ("kvbaton.bench.adapter_overhead", "LangGraph adapter overhead per LLM call (no model time)"),
     "engine": ("kvbaton.bench.engine", "engine speed vs plain transformers: prefill, decode, batched decode"),
+    "host": ("kvbaton.bench.host", "the request loop's host time per sequence per step, and a resume's fixed cost (no model)"),
+    "concurrency": ("kvbaton.bench.concurrency", "1/8/32/64 concurrent agents: tokens/s, kvbaton vs vLLM's CPU build"),
     "transfer": ("kvbaton.bench.transfer", "multi-device: KV transfer vs recompute crossover, fork across workers vs replay"),
     "correction": ("kvbaton.bench.correction", "shared segments behind different prefixes: dense / rotation / anchor correction"),
     "agents": ("kvbaton.bench.agents", "persona-first debate / chain / fan-out: exact vs auto vs rotate reuse vs text replay"),
