@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 
 import anyio
 import anyio.lowlevel
+import httpx
 import kvbaton
 import pytest
 from server_fixtures import TOKEN_A, TOKEN_B, ServerProcess, running
@@ -100,9 +101,9 @@ def test_a_taken_port_fails_before_the_model_loads():
 @pytest.mark.parametrize(("args", "says"), [
     (["--token", ""], "tokens must be non-empty"),
     (["--token", "a", "--admin-token", " "], "admin tokens must be non-empty"),
-    (["--handle-ttl", "0"], "handle TTL"),
-    (["--max-streams", "-1"], "max_streams"),
-    (["--client-timeout", "0"], "client timeout"),
+    (["--handle-ttl", "0"], "'--handle-ttl': input should be greater than 0"),
+    (["--max-streams", "-1"], "'--max-streams'"),
+    (["--client-timeout", "0"], "'--client-timeout'"),
     (["--max-kv-bytes-per-tenant", "lots"], "invalid KV budget"),
 ])
 def test_a_bad_option_is_refused_before_the_model_loads(args, says):
@@ -135,6 +136,10 @@ def test_stalled_connections_are_closed_after_the_client_timeout(limits):
     with limits.http() as http:  # a client that keeps up: keep-alive requests as ever
         for _ in range(3):
             assert http.post("/v1/kv/tokenize", json={"text": "hello"}).status_code == 200
+    with limits.http(token=ADMIN) as admin:  # the stalled body is the client's doing: 499, never the server's 500
+        counted = admin.get("/metrics").text
+    assert re.search(r'^kvbaton_requests_total\{[^}]*status="499"[^}]*\} 1\.0$', counted, re.MULTILINE), counted
+    assert 'status="500"' not in counted
 
 
 # -- fair slots and stream caps ------------------------------------------------------------------------------
@@ -143,6 +148,42 @@ def test_stalled_connections_are_closed_after_the_client_timeout(limits):
 def _gauge(text: str, name: str) -> float:
     found = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
+
+
+def _metric(text: str, name: str) -> float:
+    found = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_request_whose_client_left_before_its_answer_releases_what_it_made(server):
+    """Issue 49 item 11: requests abandoned by a client timeout (materialize, a native generation, a
+    kept chat answer) leave no handle behind once the server is done with them; a whole generation
+    stops when its client is gone; and an answer that was delivered keeps its handle."""
+    from kvbaton.bench.corpus import document
+
+    with server.http() as http:
+        def live() -> float:
+            return _metric(http.get("/metrics").text, "kvbaton_handles_live")
+
+        def idle() -> bool:
+            return _metric(http.get("/metrics").text, "kvbaton_tenant_requests_running") == 0
+
+        until(idle, "the server idle")
+        before = live()
+        abandoned = [  # each with a prompt of its own (no prefix-cache hit makes it quick)
+            ("/v1/kv/materialize", {"context": document(1500, seed=401)}),
+            ("/v1/kv/complete", {"prompt": document(1500, seed=402), "max_tokens": 64, "ignore_eos": True}),
+            ("/v1/chat/completions", {"model": "smollm2-135m-instruct", "max_tokens": 64, "kvbaton": {"keep": True},
+                                      "messages": [{"role": "user", "content": document(1500, seed=403)}]}),
+        ]
+        for path, body in abandoned:
+            with pytest.raises(httpx.TimeoutException):  # the client gives up long before the answer
+                httpx.post(f"{server.url}{path}", json=body, timeout=0.05)
+        until(idle, "the abandoned requests ended")
+        until(lambda: live() == before, "the abandoned requests' handles released")
+        kept = http.post("/v1/kv/materialize", json={"context": "delivered"}).json()  # answered: the caller's
+        assert live() == before + 1
+        http.post("/v1/kv/release", json={"handles": [kept["id"]]}).raise_for_status()
 
 
 def test_a_flooding_tenant_waits_its_turn_and_the_other_is_served_next(limits):
@@ -377,6 +418,62 @@ def test_an_unread_answer_is_abandoned_after_the_client_timeout():
         assert cancelled.wait(WAIT_S)
     finally:
         client.close()
+        server.should_exit = True
+        thread.join(WAIT_S)
+        sock.close()
+
+
+@pytest.mark.unit
+def test_a_trickling_stream_nobody_reads_is_abandoned_though_its_writes_never_pause():
+    """Delivery is measured, not writes (issue 49 item 12): a token stream trickles far less than the
+    socket buffers, so the server's writes never pause; a client that reads nothing (a 1 KiB receive
+    buffer) still has its connection aborted after the client timeout, its request cancelled. A slow
+    client that does read is never cut off."""
+    from kvbaton.backend.server.listener import bind, bound_port, http_server
+    from starlette.responses import StreamingResponse
+
+    ended: dict[str, threading.Event] = {"/unread": threading.Event(), "/read": threading.Event()}
+    sent: dict[str, int] = {"/unread": 0, "/read": 0}
+
+    def trickle(path: str):
+        async def tokens():  # ~2 KiB a tenth of a second, as a generation's chunks come
+            try:
+                for _ in range(40 if path == "/read" else 10_000):
+                    sent[path] += 1
+                    yield b"data: " + b"t" * 2048 + b"\n\n"
+                    await anyio.sleep(0.1)
+            finally:
+                ended[path].set()
+        return tokens()
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await StreamingResponse(trickle(scope["path"]))(scope, receive, send)
+
+    sock = bind("127.0.0.1", 0)
+    server = http_server(app, log_level="warning", client_timeout=1.0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    unread = socket.socket()
+    unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    reader = socket.socket()
+    try:
+        unread.connect(("127.0.0.1", bound_port(sock)))
+        unread.sendall(b"GET /unread HTTP/1.1\r\nHost: x\r\n\r\n")  # and nothing is ever read
+        reader.connect(("127.0.0.1", bound_port(sock)))
+        reader.sendall(b"GET /read HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = 0
+        while not ended["/read"].is_set() or got < 40 * 2056:  # slowly, but it reads everything
+            piece = reader.recv(4096)
+            if not piece:
+                break
+            got += len(piece)
+            time.sleep(0.05)
+        assert ended["/unread"].wait(WAIT_S), "the unread stream was not abandoned within WAIT_S"
+        assert sent["/unread"] < 10_000 and got >= 40 * 2056  # cut off; the slow reader got every byte
+    finally:
+        unread.close()
+        reader.close()
         server.should_exit = True
         thread.join(WAIT_S)
         sock.close()

@@ -188,3 +188,38 @@ def test_every_field_of_openais_typed_params_is_honoured_ignored_or_refused():
     ):
         fields = set(params.__annotations__)
         assert fields - known(table, model) == set(), f"{params.__module__}: fields the server does not classify"
+
+
+# -- a schema too complex for the grammar engine ------------------------------------------------------------
+
+
+def _wide(n: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+
+def test_a_schema_the_grammar_engine_cannot_enforce_is_400_naming_the_limit_before_any_work(oa):
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": _wide(2000)}}
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.chat.completions.create(model=MODEL, messages=ASK_JOKE, max_tokens=8, response_format=fmt)
+    assert err.value.param == "response_format" and "at most 500" in err.value.message
+    tool = {"type": "function", "function": {"name": "wide", "parameters": _wide(600)}}
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.chat.completions.create(model=MODEL, messages=ASK_JOKE, max_tokens=8, tools=[tool], tool_choice="required")
+    assert err.value.param == "tools"
+
+
+@pytest.mark.unit
+def test_the_grammar_limit_is_the_parsers_and_its_failures_are_400():
+    from kvbaton.backend.server.grammar import MAX_OPTIONAL_PROPERTIES, check_format, grammar_failure
+    from kvbaton.errors import InvalidRequest
+    from kvbaton.types import ResponseFormat
+
+    def fmt(schema: dict) -> ResponseFormat:
+        return ResponseFormat(type="json_schema", json_schema={"name": "s", "schema": schema})
+
+    check_format(fmt(_wide(MAX_OPTIONAL_PROPERTIES)))  # 500 optional properties: 1,999 parser items, enforced
+    check_format(fmt({**_wide(3000), "required": [f"p{i}" for i in range(2600)]}))  # required ones are not the limit
+    with pytest.raises(InvalidRequest, match="at most 500"):
+        check_format(fmt({"type": "object", "properties": {"inner": _wide(MAX_OPTIONAL_PROPERTIES + 1)}}))
+    bad = grammar_failure(RuntimeError("constrained decoding: token 7 rejected: Parser Error: too many items"))
+    assert bad is not None and bad.param == "response_format" and grammar_failure(RuntimeError("other")) is None

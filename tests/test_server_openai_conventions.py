@@ -327,6 +327,7 @@ def test_logs_say_what_the_server_does(srv, client, http):
     # a URL cannot forge a log line, with or without the token
     http.get("/v1/models%0AINFO kvbaton.access: forged%0D")
     httpx.get(f"{srv.url}/v1/models%0AINFO forged-without-token")
+    http.get("/v1/models%C2%85INFO forged-by-nel%E2%80%A8INFO forged-by-ls")  # U+0085, U+2028: line breaks too
     deadline = time.monotonic() + 30  # the throughput line comes with the next interval (1 s); an access line
     waited = ("kvbaton.stats: throughput:", "forged-without-token 401")  # is written just after its answer went
     while not all(w in srv.log.read_text(errors="replace") for w in waited) and time.monotonic() < deadline:
@@ -343,6 +344,7 @@ def test_logs_say_what_the_server_does(srv, client, http):
     assert API_KEY not in log
     assert "GET /v1/models\\x0aINFO kvbaton.access: forged\\x0d 404" in log
     assert "GET /v1/models\\x0aINFO forged-without-token 401" in log, [l for l in log.splitlines() if "forged" in l]
+    assert "GET /v1/models\\x85INFO forged-by-nel\\u2028INFO forged-by-ls 404" in log
     assert not any(line.startswith(("INFO kvbaton.access: forged", "INFO forged")) for line in log.splitlines())
     # kvbaton's and uvicorn's lines in one format
     stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO "

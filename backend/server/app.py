@@ -39,6 +39,7 @@ from .args import ServerArgs
 from .concurrency import ConcurrencyMiddleware
 from .dashboard import PUBLIC_PATHS as DASHBOARD_PATHS
 from .dashboard import add_dashboard_routes
+from .delivery import DeliveryMiddleware
 from .errors import RETRY_AFTER_S, install_error_handlers
 from .eventviews import PUMP_INTERVAL_S
 from .listener import bind, bound_port, http_server
@@ -153,6 +154,11 @@ def create_app(target: Any, args: ServerArgs | None = None, **options: Any) -> F
                            allow_headers=["*"], expose_headers=list(EXPOSED_HEADERS), max_age=600)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     app.add_middleware(AccessLogMiddleware, requests=throughput.finished)
+
+    async def release_undelivered(ids: list[str]) -> None:
+        await state.run(state.release_undelivered, ids)
+
+    app.add_middleware(DeliveryMiddleware, release=release_undelivered)  # outermost: it reads the server's send
     return app
 
 

@@ -223,11 +223,12 @@ class ServerArgs(BaseModel):
             cause = (first.get("ctx") or {}).get("error")
             if isinstance(cause, InvalidRequest):
                 raise cause from None
-            err = validation_error([{**first, "loc": first["loc"][:1]}])
             name = str(first["loc"][0]) if first["loc"] else None
             if first["type"] == "extra_forbidden":
                 raise InvalidRequest(f"invalid server option: {name!r} is not one", param=name) from None
-            raise InvalidRequest(f"invalid server option: {err.message}", param=name) from None
+            err = validation_error([{**first, "loc": (_flag(name),)}])
+            reason = err.message.removeprefix("Invalid value for ").removeprefix("Invalid type for ")
+            raise InvalidRequest(f"invalid server option {reason}", param=name) from None
 
     # -- derived values -------------------------------------------------------------------------------
     def tokens(self) -> list[str]:
@@ -249,6 +250,15 @@ PROCESS_FIELDS = frozenset({"host", "port", "engine", "sglang_args", "devices", 
 
 DEFAULTS = ServerArgs()
 DEFAULT_MAX_TOKENS = DEFAULTS.default_max_tokens
+
+
+def _flag(name: str | None) -> str:
+    """The command-line spelling of a field (``--max-streams``)."""
+    info = ServerArgs.model_fields.get(name or "")
+    option = next((m for m in info.metadata if isinstance(m, Option)), None) if info is not None else None
+    if option is None or not option.cli:
+        return str(name)
+    return option.flags[0] if option.flags else f"--{str(name).replace('_', '-')}"
 
 
 def server_options() -> list[tuple[str, Any, Option]]:

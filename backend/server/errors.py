@@ -37,6 +37,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import protocol as p
+from .grammar import grammar_failure
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def unavailable(exc: BaseException, healthy: Health | None) -> ServerUnavailable
 
 def in_band_error(exc: Exception, healthy: Health | None = None) -> dict[str, Any]:
     """The error body of a failure after a response has started (reported inside the stream)."""
-    exc = unavailable(exc, healthy) or exc
+    exc = grammar_failure(exc) or unavailable(exc, healthy) or exc
     if isinstance(exc, KvbatonError):
         return error_body(exc.code, exc.message, exc.status, getattr(exc, "param", None))
     log.exception("stream failed", exc_info=exc)

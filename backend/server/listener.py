@@ -14,9 +14,13 @@ in the engine, forever. :class:`GuardedH11Protocol` gives each of these waits a 
 - from a connection's (or request's) first byte until its headers are complete: else ``408`` and
   the connection is closed;
 - between two reads of a request body: else the connection is closed (the app sees a disconnect);
-- while the server's writes are paused because the client does not read: else the connection is
-  aborted, which cancels the request (a stream's engine request is cancelled and what it made
-  released, as for any client that goes away).
+- while the client takes no delivery of what the server sent: else the connection is aborted,
+  which cancels the request (a stream's engine request is cancelled and what it made released, as
+  for any client that goes away). Delivery is measured, not writes: the bytes written minus those
+  still queued (the transport's buffer and, on Linux, the socket's send queue, ``SIOCOUTQ``) must
+  grow within ``client_timeout`` while any are queued — a socket buffers megabytes, so an unread
+  token stream would otherwise never pause the server's writes. (Where the send queue cannot be
+  read, paused writes are the signal.)
 
 A wait that is the server's own (reading paused because the app has not read the body yet) has no
 deadline here. Invariant: the guard changes nothing for a client that keeps sending and reading.
@@ -26,8 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import socket
+import struct
+import termios
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +44,7 @@ from kvbaton.errors import InvalidRequest
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .args import DEFAULTS
+from .delivery import GONE
 
 if TYPE_CHECKING:
     import uvicorn
@@ -81,8 +90,8 @@ def http_server(app: Any, *, log_level: str, client_timeout: float = DEFAULT_CLI
     import uvicorn
 
     protocol = type("KvbatonH11Protocol", (GuardedH11Protocol,), {"client_timeout": client_timeout})
-    config = uvicorn.Config(
-        app, log_level=log_level, http=protocol, timeout_keep_alive=KEEP_ALIVE_S,
+    config = uvicorn.Config(  # asyncio's loop: its transports let the guard count what is written
+        app, log_level=log_level, http=protocol, loop="asyncio", timeout_keep_alive=KEEP_ALIVE_S,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options,
     )
 
@@ -108,6 +117,10 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
+        self._tick: asyncio.TimerHandle | None = None
+        self._written = 0  # bytes handed to the transport
+        self._delivered = 0  # of them, no longer queued anywhere on this side (the peer acknowledged them)
+        self._delivered_at = 0.0  # when delivery last progressed (or nothing was queued)
 
     def _arm(self, why: str) -> None:
         self._disarm()
@@ -121,10 +134,57 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm("headers")  # a connection that sends nothing at all is held to the same deadline
+        write = transport.write
+
+        def counted(data: Any) -> None:
+            self._written += len(data)
+            write(data)
+
+        with contextlib.suppress(AttributeError):  # a transport that cannot be wrapped: paused writes are the signal
+            transport.write = counted  # type: ignore[method-assign]
+            self._delivered_at = time.monotonic()
+            self._tick = self.loop.call_later(self._tick_s(), self._check_delivery)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
         super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not None and self.cycle is not cycle:  # a new request: the app can tell if its client left
+            new = self.cycle
+            new.scope[GONE] = lambda: bool(new.disconnected)  # type: ignore[typeddict-unknown-key]
+
+    def _tick_s(self) -> float:
+        return min(1.0, self.client_timeout / 4)
+
+    def _queued(self) -> int:
+        """Bytes written but not delivered: the transport's buffer and the socket's send queue."""
+        queued = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                queued += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        return queued
+
+    def _check_delivery(self) -> None:
+        """Abort a connection whose queued bytes were not taken for ``client_timeout`` seconds."""
+        self._tick = None
+        if self.transport.is_closing():
+            return
+        now = time.monotonic()
+        queued = self._queued()
+        delivered = self._written - queued
+        if queued == 0 or delivered > self._delivered:
+            self._delivered, self._delivered_at = delivered, now
+        elif now - self._delivered_at >= self.client_timeout:
+            self._stalled("delivery")
+            return
+        self._tick = self.loop.call_later(self._tick_s(), self._check_delivery)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -163,10 +223,14 @@ class GuardedH11Protocol(H11Protocol):
         if why == "body" and self.flow.read_paused:
             self._arm("body")  # the app has not read the body yet: the wait is the server's, not the client's
             return
+        self._stalled(why)
+
+    def _stalled(self, why: str) -> None:
         prefix = f"{self.client[0]}:{self.client[1]} - " if self.client else ""
         log.warning("%sclosing a connection that stalled for %g s (%s)", prefix, self.client_timeout,
                     {"headers": "request headers incomplete", "body": "request body stalled",
-                     "reading": "the client does not read the response"}[why])
+                     "reading": "the client does not read the response",
+                     "delivery": "the client takes no delivery of the response"}[why])
         if why == "headers" and self.conn.our_state is h11.IDLE:
             with contextlib.suppress(h11.LocalProtocolError):
                 body = b"request headers not received in time\n"

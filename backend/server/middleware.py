@@ -22,7 +22,10 @@ from kvbaton import serverconf as conf
 from kvbaton.errors import InvalidRequest, KvbatonError, PayloadTooLarge, ServerError, Unauthorized
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .delivery import CLIENT_CLOSED, gone
+from .sse import ClientGone
 from .errors import RETRY_AFTER_S, Health, error_body, unavailable
+from .grammar import grammar_failure
 from .metrics import Metrics
 from .tenancy import SINGLE_TENANT
 
@@ -57,11 +60,12 @@ class _HttpMiddleware:
 
 
 class AnsweredMiddleware(_HttpMiddleware):
-    """Runs the request, then ``answered(scope, status, seconds)`` whatever happened (status 500 when
-    no answer was started): the one place that watches a request's status and duration."""
+    """Runs the request, then ``answered(scope, status, seconds)`` whatever happened: the one place
+    that watches a request's status and duration. Without an answer the status is 499 when the
+    client left first (a stalled body, a client timeout: its own doing, :mod:`.delivery`), else 500."""
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        status = 500
+        status: int | None = None
         start = time.perf_counter()
 
         async def send_wrapper(message: Message) -> None:
@@ -73,6 +77,8 @@ class AnsweredMiddleware(_HttpMiddleware):
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
+            if status is None:
+                status = CLIENT_CLOSED if gone(scope) else 500
             self.answered(scope, status, time.perf_counter() - start)
 
     def answered(self, scope: Scope, status: int, seconds: float) -> None:
@@ -101,9 +107,15 @@ class ErrorMiddleware(_HttpMiddleware):
 
         try:
             await self.app(scope, receive, send_wrapper)
+        except ClientGone:
+            return  # nobody to answer: the request's generations were stopped and what they made released
         except Exception as exc:
             if started:
                 raise
+            bad = grammar_failure(exc)
+            if bad is not None:  # the request's schema, not the server: a 400
+                await _send_error(send, bad)
+                return
             down = unavailable(exc, self.healthy)
             if down is None:
                 log.exception("internal error on %s %s", scope.get("method", ""), printable_path(scope))
@@ -114,12 +126,16 @@ class ErrorMiddleware(_HttpMiddleware):
             await _send_error(send, down, [(b"retry-after", RETRY_AFTER_S.encode())] if down.status == 503 else ())
 
 
-_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F]} | {ord("\\"): "\\\\"}
+# C0 and C1 controls (U+0085 is a line break to many readers) and the Unicode line and paragraph
+# separators: every character that str.splitlines, a terminal or a log shipper may take for a line break.
+_CONTROL = ({c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+            | {c: f"\\u{c:04x}" for c in (0x2028, 0x2029)} | {ord("\\"): "\\\\"})
 
 
 def printable(text: str) -> str:
-    """``text`` with its control characters (and backslashes) escaped: a log line stays one line (a
-    ``%0A`` in a URL, decoded into the path, cannot start a forged one)."""
+    """``text`` with its control characters, line separators (and backslashes) escaped: a log line
+    stays one line (a ``%0A``, ``%C2%85`` or ``%E2%80%A8`` in a URL, decoded into the path, cannot
+    start a forged one)."""
     return text.translate(_CONTROL)
 
 

@@ -37,6 +37,7 @@ from pydantic import BaseModel
 from ..tenants import AgentRef
 from .accesslog import note_result
 from .concurrency import EVENTS
+from .delivery import give, gone
 from .errors import ERROR_RESPONSES, STREAM_RESPONSES, template_errors
 from .eventviews import PUMP_INTERVAL_S
 from .sse import EventStreamResponse, StreamEvents, open_primed, run_whole, sse, stream_response
@@ -92,12 +93,15 @@ class Native:
         session (``X-Kvbaton-Session``), which bounds its approximate reuse."""
         return self.state.agent(tenant, request_agent(request, given), request_session(request, None) or None)
 
-    async def made(self, tenant: str, run: Callable[[], T]) -> T:
+    async def made(self, request: Request, tenant: str, run: Callable[[], T]) -> T:
         """``run()`` (it makes one handle, or a result or composition holding one) admitted within the
-        tenant's quota, in a worker thread; what it made is the tenant's."""
+        tenant's quota, in a worker thread; what it made is the tenant's, given to the caller (released
+        if the answer never reaches it: :mod:`.delivery`)."""
         with self.state.admit(tenant):
             out: Any = await self.state.run(run)
-            await self.state.recorded(tenant, [out.handle if isinstance(out, Result | Composition) else out])
+            handle = out.handle if isinstance(out, Result | Composition) else out
+            await self.state.recorded(tenant, [handle])
+        give(request.scope, [handle.id])
         return out  # type: ignore[no-any-return]
 
     def segments(self, parts: Sequence[wire.SegmentIn]) -> list[Segment]:
@@ -118,8 +122,9 @@ class Native:
         open_stream = functools.partial(start, self.agent(request, tenant, agent), state.sampling(fields))
         if not body.stream:
             with state.admit(tenant):  # run in rounds of tokens, so that a server shutting down ends it
-                (result,) = await run_whole(state, lambda: open_primed([open_stream]))
+                (result,) = await run_whole(state, lambda: open_primed([open_stream]), lambda: gone(request.scope))
                 await state.recorded(tenant, [result.handle])
+            give(request.scope, [result.handle.id])
             state.metrics.observe(tenant, endpoint, result)
             note_result(request.scope, result)
             return result
@@ -134,7 +139,7 @@ class Native:
 async def materialize(n: Native, body: wire.MaterializeRequest, request: Request) -> Handle:
     tenant = request_tenant(request)
     agent = n.agent(request, tenant, body.agent)
-    return await n.made(tenant, lambda: n.engine.materialize(body.context, agent=agent))
+    return await n.made(request, tenant, lambda: n.engine.materialize(body.context, agent=agent))
 
 
 @policy
@@ -142,16 +147,18 @@ async def extend(n: Native, body: wire.ExtendRequest, request: Request) -> Handl
     tenant = request_tenant(request)
     n.state.check_owned(tenant, [body.handle])
     agent = n.agent(request, tenant, body.agent)
-    return await n.made(tenant, lambda: n.engine.extend(body.handle, body.context, agent=agent))
+    return await n.made(request, tenant, lambda: n.engine.extend(body.handle, body.context, agent=agent))
 
 
 @policy
 async def fork(n: Native, body: wire.ForkRequest, request: Request) -> wire.ForkResponse:
     tenant = request_tenant(request)
     n.state.check_owned(tenant, [body.handle])
+    n.state.check_fork(body.k)
     with n.state.admit_fork(tenant, body.handle, body.k):
         handles = await n.state.run(n.engine.fork, body.handle, body.k)
         await n.state.recorded(tenant, handles)
+    give(request.scope, [h.id for h in handles])
     return wire.ForkResponse(handles=handles)
 
 
@@ -182,7 +189,7 @@ async def compose(n: Native, body: wire.ComposeRequest, request: Request) -> Com
             prefix, n.segments(body.segments), body.suffix, agent=agent, mode=body.mode, correction=body.correction
         )
 
-    return await n.made(tenant, run)
+    return await n.made(request, tenant, run)
 
 
 @policy
@@ -198,7 +205,7 @@ async def merge(n: Native, body: wire.MergeRequest, request: Request) -> Composi
         parts: list[Any] = [s.handle for s in segs] if whole else segs
         return n.engine.merge(parts, agent=agent, mode=body.mode, correction=body.correction)
 
-    return await n.made(tenant, run)
+    return await n.made(request, tenant, run)
 
 
 @policy

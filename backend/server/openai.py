@@ -50,6 +50,7 @@ from kvbaton.types import Result, SamplingParams, StreamChunk, TokenLogprob, Top
 
 from . import protocol as p
 from .accesslog import note_usage
+from .delivery import give, gone
 from .errors import ERROR_RESPONSES, stream_responses, template_errors
 from .openai_fields import COMPLETION_FIELDS, FieldTable, check_fields
 from .openai_messages import openai_messages
@@ -188,8 +189,11 @@ class OpenAIServing:
     async def run_all(self, plan: Plan) -> tuple[list[Result], list[str | None]]:
         """Every choice to its end, all at once (each in its own worker call: the engine batches them);
         the results and the handles kept for the caller."""
-        results = await run_whole(self.state, functools.partial(self.open_streams, plan))
-        return results, await self.state.run(self.finish, plan, results)
+        results = await run_whole(self.state, functools.partial(self.open_streams, plan), lambda: gone(plan.scope))
+        kept = await self.state.run(self.finish, plan, results)
+        if plan.keep:  # the caller's: released if the answer never reaches it (.delivery)
+            give(plan.scope, kept)
+        return results, kept
 
     def observe(self, result: Result, plan: Plan) -> None:
         self.state.metrics.observe(plan.tenant, self.endpoint, result)

@@ -14,6 +14,7 @@ from kvbaton.types import Reuse, SamplingParams
 
 from ..tenants import AgentRef
 from . import protocol as p
+from .grammar import check_format
 from .tenancy import SlotKey
 
 
@@ -67,6 +68,7 @@ def tool_plan(plan: Plan, tool_choice: Any) -> Plan:
         raise InvalidRequest("Invalid value for 'response_format': it cannot be combined with a tool_choice that "
                              "requires a call.", param="response_format")
     fmt = tool_call_format(required)
+    check_format(fmt, param="tools")
     plan.params = [params.model_copy(update={"response_format": fmt}) for params in plan.params]
     plan.forced = tool_names(required)[0] if len(required) == 1 else None
     plan.required = True

@@ -133,12 +133,17 @@ class Ended:
     result: Result
 
 
-async def rounds(state: ServerState, streams: Sequence[TokenStream],
-                 firsts: Sequence[StreamChunk | None]) -> AsyncIterator[tuple[int, StreamChunk | Ended]]:
+class ClientGone(Exception):
+    """The client of a whole (not streamed) answer went away: its generation stops (nothing is sent)."""
+
+
+async def rounds(state: ServerState, streams: Sequence[TokenStream], firsts: Sequence[StreamChunk | None],
+                 gone: Callable[[], bool] | None = None) -> AsyncIterator[tuple[int, StreamChunk | Ended]]:
     """What primed ``streams`` (their first chunks ``firsts``) say, in rounds: each round, every live
     stream's next chunk, pulled at once (one worker call each, so the engine batches their steps), is
     given in stream order, then each stream that ended, as :class:`Ended`. A server that is shutting
-    down (``state.draining``) ends them at the next round with ``ServerUnavailable``."""
+    down (``state.draining``) ends them at the next round with ``ServerUnavailable``; a client that is
+    ``gone`` ends them with :class:`ClientGone`."""
     items: dict[int, StreamChunk | object | None] = dict(enumerate(firsts))
     live = list(range(len(streams)))
     while live:
@@ -156,18 +161,22 @@ async def rounds(state: ServerState, streams: Sequence[TokenStream],
             if state.draining:
                 raise ServerUnavailable("the server is shutting down: this generation ends here; retry when it is "
                                         "back")
+            if gone is not None and gone():
+                raise ClientGone("the client went away")
             pulls = [functools.partial(next, streams[i], _END) for i in live]
             items.update(zip(live, await run_each(state.run, pulls)))
 
 
-async def run_whole(state: ServerState, open_streams: Callable[[], Streams]) -> list[Result]:
+async def run_whole(state: ServerState, open_streams: Callable[[], Streams],
+                    gone: Callable[[], bool] | None = None) -> list[Result]:
     """A whole (not streamed) answer's generations: the streams ``open_streams`` opens and primes (in
     a worker thread), run to their ends at once (:func:`rounds`); their results in order. On any
-    failure (or cancellation) every stream is closed and what the ended ones made is released."""
+    failure (or cancellation, or the client ``gone``) every stream is closed and what the ended ones
+    made is released."""
     streams, firsts = await state.run(open_streams)
     results: dict[int, Result] = {}
     try:
-        async for i, item in rounds(state, streams, firsts):
+        async for i, item in rounds(state, streams, firsts, gone):
             if isinstance(item, Ended):
                 results[i] = item.result
     except BaseException:

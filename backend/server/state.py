@@ -47,11 +47,13 @@ from . import protocol as p
 from .args import FALLBACK_MAX_TOKENS, ServerArgs
 from .concurrency import Concurrency
 from .eventviews import EventViews
+from .grammar import check_format
 from .metrics import Metrics
 from .tenancy import SINGLE_TENANT, Admission, AgentNames, AgentSlots, Owners, Quota, RegisteredAgents, SlotKey
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+MAX_FORK = 65536  # children of one fork without a live-handle quota (each is a handle's host objects)
 
 
 def ref_id(ref: p.HandleRef) -> str:
@@ -220,6 +222,17 @@ class ServerState:
         """A fork's ``k`` children, each as many tokens as the parent."""
         return self.admit(tenant, k, k * self.owners.tokens(ref_id(ref)))
 
+    def check_fork(self, k: int) -> None:
+        """400 for a fork that can never be admitted, whatever the tenant releases: more children than
+        its live-handle quota (or, without one, than :data:`MAX_FORK`), so the client is told to change
+        the request rather than retry it (a 429 says "release first")."""
+        limit = self.owners.quota.max_handles
+        bound, why = (limit, "the tenant's quota of live handles (--max-handles-per-tenant)") if limit else (
+            MAX_FORK, "the server's largest fork")
+        if k > bound:
+            raise InvalidRequest(f"Invalid value for 'k': {k} children can never be admitted: at most {bound}, "
+                                 f"{why}.", param="k")
+
     def handle(self, ref: p.HandleRef) -> Handle:
         """The whole handle of a reference (an id is described by the engine)."""
         return ref if isinstance(ref, Handle) else self.engine.describe(ref)
@@ -232,6 +245,13 @@ class ServerState:
             self.journal.release(ids)
         self.owners.released(ids)
         self.slots.forget(ids)
+
+    def release_undelivered(self, handle_ids: list[str]) -> None:
+        """Release the handles an answer would have given a client that left before it was sent
+        (:mod:`.delivery`): no one else knows their ids."""
+        self.slots.forget(set(handle_ids))
+        self.release_quietly(handle_ids)
+        log.info("released %d handle(s) of a request whose client left before its answer", len(handle_ids))
 
     def release_quietly(self, handle_ids: Iterable[str | None]) -> None:
         """Release handles the server itself holds; already gone ones (None: none) are fine."""
@@ -388,6 +408,7 @@ class ServerState:
     def sampling(self, fields: Mapping[str, Any]) -> SamplingParams:
         """Validated sampling parameters within the server's ``max_tokens`` cap."""
         params = sampling_params(None, dict(fields))
+        check_format(params.response_format)  # one the grammar engine would give up on: 400 now, not 500 later
         if params.max_tokens > self.max_tokens:
             raise InvalidRequest(f"Invalid value for 'max_tokens': {params.max_tokens} exceeds the server's limit of "
                                  f"{self.max_tokens}.", param="max_tokens")
