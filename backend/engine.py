@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from kvbaton.capabilities import KVBATON, Capabilities
 from kvbaton.errors import InvalidRequest
-from kvbaton.handle import Handle, HandleLike, LineageStep, Op, Placement, Positions, Segment, common_prefix_length
+from kvbaton.handle import Handle, HandleLike, LineageStep, Op, Placement, Positions, Segment
 from kvbaton.ops import Messages, check_reuse, ste_map
 from kvbaton.stream import TokenStream
 from kvbaton.types import AgentInfo, Composition, Events, Fidelity, Result, Reuse, SamplingParams, Stats
@@ -58,7 +58,7 @@ from .reuse.compose import Composer
 from .reuse.correction import AnchorPool, CorrectionConfig
 from .reuse.place import AutoReuse, Placer
 from .reuse.rotary import RopeShifter
-from .reuse.spans import MIN_SPAN, SpanIndex
+from .reuse.spans import SpanIndex
 from .runtime.lifecycle import Lifecycle
 from .runtime.scheduler import Scheduler
 from .stats import engine_stats
@@ -318,15 +318,8 @@ class Engine(ConfiguredEngine):
                      if policy != "exact" else None)
         with self._lock:
             parent = self.handles.get(handle) if handle is not None else None
-            keep = common_prefix_length(parent.token_ids, prompt) if parent is not None else 0
-            if policy == "exact" and parent is not None and parent.exact_len is not None:
-                keep = min(keep, parent.exact_len)  # exact asked: an approximate handle's rest is recomputed densely
-            if partition is not None:
-                # The agent's own earlier approximate turn: resume it rather than re-prefill its transcript.
-                own, n = self.spans.approximate_prefix(prompt, partition, self.kv.is_retained)
-                cache_partition = self._partition.cache_partition(ref.tenant)
-                if own is not None and n >= max(keep, self.kv.cached_prefix(prompt, cache_partition)) + MIN_SPAN:
-                    parent, keep = own, n
+            parent, keep = self.placer.starting_point(prompt, parent, policy, partition,
+                                                      self._partition.cache_partition(ref.tenant))
             if parent is None:
                 state = self._share(ref, None, 0, prompt, LineageStep(op=Op.GENERATE, token_ids=tuple(prompt)))
             else:

@@ -93,7 +93,7 @@ def _state(life: Any, tokens: list[int]) -> Any:
 
 def decode_host_us(n: int, steps: int) -> dict[str, float]:
     """``n`` generations of ``steps`` tokens at once: the scheduler's host time per sequence per step (us)."""
-    life, runner = build()
+    life, _ = build()
     scheduler = life.scheduler
     try:
         streams = [life.stream(_state(life, [2 + i % 500] * 16), SamplingParams(max_tokens=steps, ignore_eos=True))

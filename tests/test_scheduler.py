@@ -270,7 +270,7 @@ def test_background_prompts_go_in_small_chunks_even_alone():
 def test_closing_fails_what_still_waits_and_refuses_new_work():
     with stack() as s:
         gate = Gate(s.runner)
-        first, first_result = _in_threads(_generate(s, [1, 2, 3], 1))
+        first, _ = _in_threads(_generate(s, [1, 2, 3], 1))
         assert gate.entered.wait(DEADLINE_S)
         threads, results = _in_threads(_generate(s, list(range(10)), 3))
         _until(lambda: s.scheduler.queued == 1, "the request to queue")

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from kvbaton.handle import common_prefix_length
 from kvbaton.types import Reuse, SegmentReport
 
 from ..cache.kv_manager import KVManager
@@ -41,10 +42,18 @@ from ..cache.sequence import KVState
 from .audit import FidelityAudit
 from .correction import AnchorPool, CorrectionConfig, correction_config, from_canonical, to_canonical
 from .plan import (
-    Alone, Compute, Deviation, Filled, Program, margin_verdict, most_deviating, plan_spans, top2_margin,
+    Alone,
+    Compute,
+    Deviation,
+    Filled,
+    Program,
+    margin_verdict,
+    most_deviating,
+    plan_spans,
+    top2_margin,
 )
 from .rotary import RopeShifter
-from .spans import TAIL, SpanIndex, SpanMatch, usable
+from .spans import MIN_SPAN, TAIL, SpanIndex, SpanMatch, usable
 
 APPROXIMATE = ("rotated", "corrected", "blended")
 # How each reuse policy places a span: selective recomputation, re-alignment only, anchor-pool correction.
@@ -82,6 +91,24 @@ class Placer:
             pool.close()
 
     # -- automatic reuse -------------------------------------------------------------------------
+    def starting_point(
+        self, prompt: Sequence[int], parent: KVState | None, policy: Reuse, partition: str | None,
+        cache_partition: str | None,
+    ) -> tuple[KVState | None, int]:
+        """Where a generation's prompt starts (lock held): the state whose K/V it shares and how many of its
+        tokens. The given parent's common prefix (under ``"exact"``, never past an approximate handle's exact
+        part), or, under automatic reuse (``partition``), the agent's own earlier approximate turn when it
+        shares more: resumed rather than its transcript prefilled again."""
+        keep = common_prefix_length(parent.token_ids, prompt) if parent is not None else 0
+        if policy == "exact" and parent is not None and parent.exact_len is not None:
+            keep = min(keep, parent.exact_len)  # exact asked: an approximate handle's rest is recomputed densely
+        if partition is not None:
+            own, n = self._spans.approximate_prefix(prompt, partition, self._kv.is_retained)
+            if own is not None and n >= max(keep, self._kv.cached_prefix(prompt, cache_partition)) + MIN_SPAN:
+                return own, n
+        return parent, keep
+
+
     def fill(self, state: KVState, policy: Reuse, partition: str) -> Program[Filled]:
         """Cross-prefix reuse for an admitted request (a program): place the spans of its prompt that sources
         of ``partition`` hold (after its exact prefix) as the plan (:func:`.plan.plan_spans`) and ``policy``
@@ -332,7 +359,7 @@ class Placer:
         if mode == "dense":
             return (yield from dense("mode='dense'"))
         if not shifter.shiftable():
-            return (yield from dense(f"RoPE type {shifter.rope_type!r} cannot be re-aligned exactly"))
+            return (yield from dense(shifter.reason or "the keys cannot be re-aligned exactly"))
         if mode == "rotate":
             kv.copy_rows(src, start, state, offset, available, shifter.rotation(start, offset, available))
             return report("rotated", _ROTATED, available)

@@ -114,9 +114,7 @@ def plan_spans(found: Sequence[SpanMatch], num_tokens: int, policy: str, blend: 
       from the first span on) is at most :data:`PROBE_SHARE` of what a rejection would prefill: else a
       rejection would cost more than the dense prefill it falls back to, and everything is prefilled."""
     near = tuple(m for m in found if context_gap(m) <= MAX_CONTEXT_GAP)
-    prefill = [(m, f"read {m.start} tokens into its source and {m.offset} here: at least {context_gap(m)} tokens "
-                   f"of the context it attends to differ (more than {MAX_CONTEXT_GAP}), so it was prefilled")
-               for m in found if context_gap(m) > MAX_CONTEXT_GAP]
+    prefill = [(m, _far(m)) for m in found if context_gap(m) > MAX_CONTEXT_GAP]
     probe = policy == "auto" and blend and bool(near)
     if probe:
         fallback = num_tokens - near[0].offset
@@ -128,6 +126,11 @@ def plan_spans(found: Sequence[SpanMatch], num_tokens: int, policy: str, blend: 
             prefill += [(m, why) for m in near]
             near, probe = (), False
     return Plan(near, tuple(sorted(prefill, key=lambda p: p[0].offset)), probe)
+
+
+def _far(span: SpanMatch) -> str:
+    return (f"read {span.start} tokens into its source and {span.offset} here: at least {context_gap(span)} tokens "
+            f"of the context it attends to differ (more than {MAX_CONTEXT_GAP}), so it was prefilled")
 
 
 def most_deviating(deviation: torch.Tensor, ratio: float, offset: int) -> list[int]:

@@ -177,7 +177,7 @@ class Scheduler:
                     break
             try:
                 self.step()
-            except BaseException:  # noqa: BLE001 - a bug here must not stop every request for good
+            except BaseException:
                 log.exception("scheduler step failed")
         self._shut_down()
 
@@ -187,10 +187,9 @@ class Scheduler:
             return True
         now = time.monotonic()
         for r in self._running:
-            if r.status is Status.DECODING and r.unread < AHEAD:
-                if not r.background or self._quiet(now):
-                    return True
-            if r.status is Status.PROMPT and not isinstance(r.need, Alone) and (not r.background or self._quiet(now)):
+            runnable = (r.status is Status.DECODING and r.unread < AHEAD) or \
+                (r.status is Status.PROMPT and not isinstance(r.need, Alone))
+            if runnable and (not r.background or self._quiet(now)):
                 return True
         head = self._next_waiting(now)
         return head is not None and now - self.lines.waiting_since.get(id(head), 0.0) >= WAITING_POLL_S
@@ -248,7 +247,7 @@ class Scheduler:
         self.max_sequences = max(self.max_sequences, len({id(row.request) for row in batch.rows}))
         try:
             self._postprocess(batch, logits, deviations)
-        except BaseException as exc:  # noqa: BLE001 - a bug: its requests fail, never wait forever
+        except BaseException as exc:
             log.exception("scheduler postprocess failed")
             self._fail_batch(batch, exc)
         self.steps += 1
@@ -499,9 +498,7 @@ class Scheduler:
             if request.constraint is not None:
                 request.constraint.advance(token)
             finish = None
-            if token in request.eos:
-                finish = "stop"
-            elif request.constraint is not None and request.constraint.ended:  # the grammar admits nothing more
+            if token in request.eos or request.constraint is not None and request.constraint.ended:
                 finish = "stop"
             elif request.generated >= params.max_tokens:
                 finish = "length"
