@@ -57,9 +57,11 @@ class EagerRunner:
     def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
         """Write the chunks' K/V into the pool; return fp32 logits per chunk: ``[vocab]`` for its last
         token, or ``[tokens, vocab]`` when the chunk asks for all of them."""
-        if self.fast is not None and not any(c.all_logits for c in chunks):
-            rows = sum(len(c.token_ids) for c in chunks)
-            if all(len(c.token_ids) == 1 for c in chunks) or rows <= self.fast.small_chunk_rows:
+        if self.fast is not None:
+            # Decode rows, and chunks of a few tokens each (a turn's short tail, a few recomputed tokens, a decode
+            # row with speculative drafts) as rows of one fused step.
+            longest = max(len(c.token_ids) for c in chunks)
+            if (longest == 1 and not any(c.all_logits for c in chunks)) or longest <= self.fast.small_chunk_rows:
                 return self._fused_rows(self.fast, chunks)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -98,15 +100,17 @@ class EagerRunner:
         blocks: list[Sequence[int]] = []
         positions: list[int] = []
         tokens: list[int] = []
-        last: list[int] = []
+        spans: list[tuple[int, int, bool]] = []
         for chunk in chunks:
             n = len(chunk.token_ids)
             blocks.extend([chunk.blocks] * n)
             positions.extend(chunk.positions if chunk.positions is not None else range(chunk.start, chunk.start + n))
             tokens.extend(chunk.token_ids)
-            last.append(len(tokens) - 1)
+            spans.append((len(tokens) - n, len(tokens), chunk.all_logits))
         logits = fast.forward(blocks, positions, tokens)
-        return separate([logits[i] for i in last] if len(last) < len(tokens) else list(logits))
+        if len(spans) == len(tokens):  # one row per chunk: the rows as they are
+            return separate([logits[a] if not every else logits[a:b] for a, b, every in spans])
+        return separate([logits[a:b] if every else logits[b - 1] for a, b, every in spans])
 
     @torch.inference_mode()
     def deviation(self, blocks: Sequence[int], start: int, token_ids: Sequence[int]) -> torch.Tensor:
