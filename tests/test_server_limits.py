@@ -50,7 +50,9 @@ CLIENT_TIMEOUT_S = 2
 LIMITS = ["--kv-budget", "48MiB", "--token", TOKEN_A, "--token", TOKEN_B, "--admin-token", ADMIN,
           "--client-timeout", str(CLIENT_TIMEOUT_S), "--max-requests", "1", "--max-requests-per-tenant", "1",
           "--max-streams", "3", "--max-streams-per-tenant", "2", "--max-registered-agents", "2",
-          "--max-fidelity-tokens", "8", "--max-tokens", "64", "--default-max-tokens", "2"]
+          "--max-event-streams", "3", "--max-event-streams-per-tenant", "2", "--event-stream-idle-timeout", "3",
+          "--max-fidelity-tokens", "8", "--max-tokens", "64", "--default-max-tokens", "2",
+          "--queue-timeout", str(WAIT_S)]  # a queued request waits as long as the tests do (a busy machine is slow)
 HUNG = ["--devices", "cpu,cpu", "--kv-budget", "48MiB", "--heartbeat-timeout", "3"]
 
 
@@ -186,8 +188,22 @@ def test_a_request_whose_client_left_before_its_answer_releases_what_it_made(ser
         http.post("/v1/kv/release", json={"handles": [kept["id"]]}).raise_for_status()
 
 
+def test_a_fork_that_can_never_be_admitted_is_400_not_429(server):
+    """Issue 49 item 16: retrying cannot help a fork of more children than any quota allows."""
+    with server.http() as http:
+        parent = http.post("/v1/kv/materialize", json={"context": "fork me"}).json()["id"]
+        try:
+            for k in (2**63, 10**6):
+                refused = http.post("/v1/kv/fork", json={"handle": parent, "k": k})
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == "k", refused.text
+        finally:
+            http.post("/v1/kv/release", json={"handles": [parent]})
+
+
 def test_a_flooding_tenant_waits_its_turn_and_the_other_is_served_next(limits):
-    body = {"prompt": "One, two, three, four,", "max_tokens": 24, "ignore_eos": True}
+    """The order in which the queue hands out slots, not how long anything takes: the server's queue
+    waits as long as the test (--queue-timeout WAIT_S), so a loaded machine only makes it slower."""
+    body = {"prompt": "One, two, three, four,", "max_tokens": 8, "ignore_eos": True}
     done: list[str] = []
     lock = threading.Lock()
     statuses: list[int] = []
@@ -212,12 +228,16 @@ def test_a_flooding_tenant_waits_its_turn_and_the_other_is_served_next(limits):
     other.start()
     for t in [*flood, other]:
         t.join(WAIT_S)
+        assert not t.is_alive(), f"a request of the flood still unanswered after {WAIT_S} s"
     assert statuses == [200] * 6
     # Round robin: after B queued, A got at most the slot that was next in turn (and the one running).
     assert done.index("b") <= before + 2, done
 
 
-def test_open_streams_are_capped_per_tenant_and_in_all(limits):
+def test_event_streams_have_caps_of_their_own_and_end_when_idle(limits):
+    """Issue 49 item 13: idle event streams (a dashboard left open) fill only the event streams' caps
+    — the tenant's share, then the server's — never the generations'; and one that carries no event
+    for --event-stream-idle-timeout ends by itself (a browser's EventSource reconnects)."""
     a, b = limits.http(token=TOKEN_A), limits.http(token=TOKEN_B)
     with a, b:
         opened = [a.stream("GET", "/v1/kv/events/stream") for _ in range(2)]
@@ -225,19 +245,37 @@ def test_open_streams_are_capped_per_tenant_and_in_all(limits):
             for s in opened:
                 assert s.__enter__().status_code == 200
             over = a.get("/v1/kv/events/stream")
-            assert over.status_code == 429 and "open streams" in over.json()["error"]["message"]
-            # a generation stream counts the same
-            generation = a.post("/v1/kv/complete", json={"prompt": "x", "max_tokens": 2, "stream": True})
-            assert generation.status_code == 429
-            with b.stream("GET", "/v1/kv/events/stream") as third:  # the server's third and last
+            assert over.status_code == 429 and "open event streams" in over.json()["error"]["message"]
+            # A's generations are not behind its (idle) event streams
+            with a.stream("POST", "/v1/kv/complete", json={"prompt": "x", "max_tokens": 2, "stream": True}) as gen:
+                assert gen.status_code == 200 and "event: result" in gen.read().decode()
+            with b.stream("GET", "/v1/kv/events/stream") as third:  # the server's third and last event stream
                 assert third.status_code == 200
                 assert b.get("/v1/kv/events/stream").status_code == 429  # the server's limit, not B's
         finally:
             for s in opened:
                 s.__exit__(None, None, None)
         until(lambda: _gauge(a.get("/metrics").text, "kvbaton_tenant_streams_open") == 0, "A's streams closed")
-        with a.stream("GET", "/v1/kv/events/stream") as again:
-            assert again.status_code == 200
+        with a.stream("GET", "/v1/kv/events/stream", timeout=WAIT_S) as idle:  # nothing happens for A: it ends
+            assert idle.status_code == 200
+            assert ": idle timeout" in "".join(idle.iter_text())
+
+
+@pytest.mark.unit
+def test_generation_streams_are_capped_per_tenant_and_in_all():
+    from kvbaton.backend.server.concurrency import EVENTS, GENERATION, Concurrency
+    from kvbaton.errors import QuotaExceeded
+
+    slots = Concurrency(max_requests=None, per_tenant=None, max_streams=2, max_streams_per_tenant=1,
+                        max_event_streams=1, max_event_streams_per_tenant=1)
+    slots.open_stream("a", EVENTS)  # an event stream takes nothing from the generations
+    slots.open_stream("a", GENERATION)
+    with pytest.raises(QuotaExceeded, match="generation streams"):
+        slots.open_stream("a")
+    with pytest.raises(QuotaExceeded, match="event streams"):
+        slots.open_stream("b", EVENTS)  # the server's one event stream is taken
+    slots.open_stream("b")
+    assert slots.usage("a") == (0, 0, 2)
 
 
 # -- per-tenant metrics and events ---------------------------------------------------------------------------

@@ -159,10 +159,13 @@ class ServerArgs(BaseModel):
         LIMITS, "release handles no operation named for this long (default: never)", metavar="SECONDS")] = None
     max_requests: Annotated[Count, _opt(
         LIMITS, "requests running at once (their streams included); more wait their turn, tenant by tenant, up to "
-        "30 s (then 503) (default: --threads)", metavar="N")] = None
+        "--queue-timeout (then 503) (default: --threads)", metavar="N")] = None
     max_requests_per_tenant: Annotated[Count, _opt(
         LIMITS, "requests of one tenant running at once; its others wait (default: half of --threads with several "
         "tokens, else no limit of its own)", metavar="N")] = None
+    queue_timeout: Annotated[float, Field(gt=0), _opt(
+        LIMITS, "how long a request may wait for a request slot before it is answered 503 with Retry-After "
+        "(default %(default)g)", metavar="SECONDS")] = 30.0
     max_registered_agents: Annotated[Count, _opt(
         LIMITS, "agents one tenant may register (POST /v1/kv/agents, fixed prompts kept on the host); beyond, its "
         "least recently registered one is dropped; 0: no limit (default %(default)s)", metavar="N")] = 64

@@ -83,7 +83,7 @@ class Concurrency:
         threads = args.threads
         per_tenant = args.max_requests_per_tenant or (max(1, threads // 2) if tenants > 1 else None)
         return cls(args.max_requests or threads, per_tenant, args.max_streams, args.max_streams_per_tenant,
-                   max_event_streams=args.max_event_streams,
+                   wait_s=args.queue_timeout, max_event_streams=args.max_event_streams,
                    max_event_streams_per_tenant=args.max_event_streams_per_tenant)
 
     def _tenant(self, name: str) -> _Tenant:
