@@ -213,3 +213,16 @@ def test_a_call_naming_another_model_is_refused(llm):
         llm.invoke("hi", model="gpt-4o")
     with pytest.raises(ModelNotFound, match="serves"):
         KvbatonChatModel(base_url=llm.base_url, model="another-model").invoke("hi")  # checked on first use
+
+
+@pytest.mark.unit
+def test_the_moved_connection_helpers_still_import_from_core_with_a_deprecation_warning():
+    """Issue 49 item 8: ``kvbaton.adapters.core.shared_connection`` / ``register_connection`` moved to
+    ``kvbaton.adapters.connections``; the old import works for one release, and says where they went."""
+    from kvbaton.adapters import connections
+
+    with pytest.warns(DeprecationWarning, match="moved to kvbaton.adapters.connections.shared_connection"):
+        from kvbaton.adapters.core import shared_connection
+    with pytest.warns(DeprecationWarning, match="register_connection"):
+        from kvbaton.adapters.core import register_connection
+    assert (shared_connection, register_connection) == (connections.shared_connection, connections.register_connection)
