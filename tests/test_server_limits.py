@@ -585,6 +585,26 @@ def test_the_grammar_cache_is_bounded_by_count_and_size():
 
 
 @pytest.mark.unit
+def test_every_server_option_is_one_server_args_field_generated_into_the_cli_and_documented():
+    """Issue 45 item 8: the options are declared once (ServerArgs); the CLI is generated from them (its
+    defaults are the fields' own), and docs/server.md's table names every one."""
+    from pathlib import Path
+
+    from kvbaton.backend.server.args import ServerArgs, _flag, from_cli, server_options
+    from kvbaton.cli import build_parser
+
+    assert from_cli(build_parser().parse_args(["serve"]), {}) == ServerArgs()
+    parsed = from_cli(build_parser().parse_args(["serve", "--max-streams", "7", "--api-key", "k", "--shared-spans",
+                                                 "--served-model-name", "a", "b"]), {})
+    assert (parsed.max_streams, parsed.tokens(), parsed.shared_spans, parsed.served_model_names) == (
+        7, ["k"], True, ["a", "b"])
+    assert from_cli(build_parser().parse_args(["serve"]), {"KVBATON_API_KEY": "x,y"}).tokens() == ["x", "y"]
+    table = (Path(__file__).parents[1] / "docs" / "server.md").read_text()
+    missing = [_flag(name) for name, _, _ in server_options() if f"`{_flag(name)}" not in table]
+    assert not missing, f"options without a row in docs/server.md: {missing}"
+
+
+@pytest.mark.unit
 def test_every_limit_is_checked_without_an_engine():
     from kvbaton.backend.server.app import check_serve_options
     from kvbaton.errors import InvalidRequest
