@@ -124,9 +124,9 @@ class EngineConfig:
         CACHE, "prefetch agents due within this many steps (default %(default)s)"))
     # Persistence (docs/server.md#persistence): handles survive restarts in the first disk tier's directory.
     persist: bool = field(default=False, metadata=_flag(
-        CACHE, "keep live handles across restarts and crashes (needs a --tier disk:SIZE[:PATH]; single device): "
-        "the same tenants get the same handle ids back, their K/V loaded from checksummed blocks or recomputed "
-        "from lineage", form="switch"))
+        CACHE, "keep live handles across restarts and crashes (needs a --tier disk:SIZE[:PATH]; with --devices, "
+        "each worker keeps its own journal): the same tenants get the same handle ids back, their K/V loaded from "
+        "checksummed blocks or recomputed from lineage", form="switch"))
     reuse: Reuse = field(default="exact", metadata=_flag(
         REUSE, "reuse policy of requests that name none (kvbaton.reuse, reuse, X-Kvbaton-Reuse): exact = "
         "common-prefix reuse only, greedy output identical to dense prefill (default); auto = also spans other "

@@ -143,11 +143,13 @@ def supports_reuse(client: Any) -> bool:
     return True
 
 
-def connect(dtype: str, prefix_cache: bool, quick: bool = False) -> Any:
-    """An embedded client of ``dtype``, warmed up with the shared warm-up request."""
+def connect(dtype: str, prefix_cache: bool, quick: bool = False, correction: dict[str, Any] | None = None) -> Any:
+    """An embedded client of ``dtype`` (``correction``: reuse settings other than the defaults), warmed up with the
+    shared warm-up request."""
     import kvbaton
 
-    client = kvbaton.connect(dtype=dtype, kv_budget=KV_BUDGET, prefix_cache=prefix_cache)
+    client = kvbaton.connect(dtype=dtype, kv_budget=KV_BUDGET, prefix_cache=prefix_cache,
+                             **({"correction": correction} if correction else {}))
     warm = client.complete(warmup_prompt(quick), sampling=SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True))
     client.release(warm.handle)
     return client

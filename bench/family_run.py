@@ -28,6 +28,8 @@ handful of them, small (tests), ``--only`` shapes by name or index. The record i
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -85,18 +87,19 @@ def run_shape(client: Any, shape: Shape, variant: str, max_tokens: int, qa_token
 
 def run(names: Sequence[str] = (), split: str = "all", quick: bool = False, seed: int = 0,
         variants: Sequence[str] = VARIANTS, max_tokens: int = DEFAULT_MAX_TOKENS, qa_tokens: int = DEFAULT_QA_TOKENS,
-        kl: bool = True, progress: Any = None) -> dict[str, Any]:
+        kl: bool = True, progress: Any = None, correction: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every chosen shape with every variant; ``progress(payload)`` after each shape (a partial record)."""
     if "exact" not in variants:
         raise ValueError("the exact variant is the reference: it always runs")
     shapes = select(family(seed, quick=quick), split, names, quick=quick)
     if not shapes:
         raise ValueError(f"no shape of split {split!r} matches {list(names)}")
-    client = connect("float32", prefix_cache=True, quick=quick)
+    client = connect("float32", prefix_cache=True, quick=quick, correction=correction)
     record.watch_kv("engine float32", record.pool_bytes(client.engine))
     payload: dict[str, Any] = {
         "benchmark": "family", "dtypes": ["float32"], "seed": seed, "split": split, "quick": quick,
         "variants": list(variants), "max_tokens": max_tokens, "qa_tokens": qa_tokens, "kl": kl, "shapes": [],
+        "correction": dataclasses.asdict(client.engine.correction),
     }
     try:
         for n, shape in enumerate(shapes, 1):
@@ -139,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
                              f"{DEFAULT_QA_TOKENS}; {QUICK_QA_TOKENS} with --quick)")
     parser.add_argument("--no-kl", action="store_true", help="skip the KL checks against dense prefill")
     parser.add_argument("--quick", action="store_true", help="a smoke run: a handful of shapes, small")
+    parser.add_argument("--correction", type=json.loads, default=None, metavar="JSON",
+                        help='the engine\'s reuse settings (CorrectionConfig fields), e.g. \'{"deviation_threshold": '
+                             '0.002}\': how a decision rule is tuned on the tune split (the record keeps them)')
     record.add_arguments(parser, "family")
     args = parser.parse_args(argv)
     max_tokens = args.max_tokens or (QUICK_MAX_TOKENS if args.quick else DEFAULT_MAX_TOKENS)
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     variants = list(dict.fromkeys(["exact", *args.variants]))
     with record.Recording.from_args("family", args, argv) as rec:
         payload = run(args.only, args.split, args.quick, args.seed, variants, max_tokens, qa_tokens, not args.no_kl,
-                      progress=lambda p: rec.write(p, partial=True))
+                      progress=lambda p: rec.write(p, partial=True), correction=args.correction)
         print(table(payload))
         print(f"\nwritten: {rec.write(payload)}")
 

@@ -27,6 +27,7 @@ TARGET_POINTS = 0.02  # whole-continuation agreement and question accuracy: with
 TARGET_REJECTION_COST = 1.10  # a rejected span's time to first token over a dense prefill's
 # What a span's reason says, as a category (the numbers stripped); checked in order, the first match names it.
 REASONS = (
+    ("too much to recompute selectively", "prefilled: deviation"),
     ("probe_min_margin", "rejected: probe margin"),
     ("after blending", "rejected: margin after blending"),
     ("give different next tokens", "rejected: blend and probe disagree"),

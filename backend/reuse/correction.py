@@ -60,22 +60,20 @@ class CorrectionConfig:
     # below this, an approximation could flip the answer, so the approximated part is recomputed
     # densely (0 turns it off). Measured in docs/results.md: flips happen at small margins.
     min_margin: float = 0.75
-    # Selective recomputation (CacheBlend-style, works cold): after re-alignment, this share of a
-    # segment's tokens — those whose layer-1 values deviate most from recomputation — is recomputed
-    # behind the new prefix. ``reuse="auto"`` and ``compose(mode="blend")`` use it; measured in
-    # docs/results.md (agents benchmark). 0 turns it off (auto then prefills such segments densely).
-    # 10%, not CacheBlend's 15%: the layer-1 deviation is concentrated in few tokens (in the agents
-    # workloads most of a long segment's deviation sits in its top tenth), and a trial run of the agents
-    # benchmark at 10% gave the same teacher-forced first-token agreement and KL to dense as at 15%.
+    # Selective recomputation (CacheBlend-style, works cold): after re-alignment, at least this share of a
+    # segment's tokens — those whose layer-1 values deviate most from recomputation — is recomputed behind
+    # the new prefix; ``reuse="auto"`` recomputes more where more deviate (``deviation_threshold``).
+    # ``compose(mode="blend")`` recomputes exactly this share. 0 turns it off (auto then prefills such segments).
     blend_ratio: float = 0.10
-    # The confidence gate after a blend. Blending leaves the next-token distribution much closer to
-    # dense than rotation or anchors (KL several times lower in the agents benchmark), so a smaller
-    # margin is already safe; measured, with its fallback rate, in docs/results.md (agents).
+    # reuse="auto" decides each span from its measured deviation (docs/segments.md, "The decision rule"): a
+    # token whose layer-1 values moved by more than this (relative squared distance) from what the prompt's
+    # own context gives is recomputed; a span with more than ``max_recompute`` of its tokens above it is
+    # prefilled instead. Tuned on the workload family's tune split, reported on its report split.
+    deviation_threshold: float = 0.05
+    max_recompute: float = 0.5
+    # The confidence gate after an explicit blend (compose(mode="blend")). Blending leaves the next-token
+    # distribution much closer to dense than rotation or anchors, so a smaller margin is already safe.
     blend_min_margin: float = 0.25
-    # reuse="auto" decides early where it can: the spans re-aligned, the rest of the prompt computed behind them
-    # (a forward of those tokens only), a next-token margin below this sends the prompt to dense prefill before
-    # the blend is paid for, so a rejection costs little more than the dense prefill (docs/segments.md).
-    probe_min_margin: float = 0.5
 
     def __post_init__(self) -> None:
         if self.method not in ("lowrank", "full"):
@@ -86,8 +84,10 @@ class CorrectionConfig:
             raise InvalidRequest("entropy_threshold must be in [0, 1]; temperature and max_distance > 0")
         if self.min_margin < 0:
             raise InvalidRequest("min_margin must be >= 0 (0 turns the confidence gate off)")
-        if not 0 <= self.blend_ratio <= 1 or self.blend_min_margin < 0 or self.probe_min_margin < 0:
-            raise InvalidRequest("blend_ratio must be in [0, 1], blend_min_margin and probe_min_margin >= 0")
+        if not 0 <= self.blend_ratio <= 1 or self.blend_min_margin < 0:
+            raise InvalidRequest("blend_ratio must be in [0, 1] and blend_min_margin >= 0")
+        if self.deviation_threshold < 0 or not 0 <= self.max_recompute <= 1:
+            raise InvalidRequest("deviation_threshold must be >= 0 and max_recompute in [0, 1]")
 
 
 def correction_config(value: CorrectionConfig | Mapping[str, Any] | None) -> CorrectionConfig | None:

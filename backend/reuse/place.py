@@ -5,17 +5,16 @@ reserved, the source's blocks pinned): copied exactly when the tokens before it 
 its source; otherwise re-aligned to the new positions (RoPE shift, :mod:`.rotary`) and, by mode,
 left so (``"rotate"``), its most-deviating tokens recomputed behind the new prefix (``"blend"``:
 selective recomputation), corrected by an anchor pool (``"auto"``, :mod:`.correction`), or
-recomputed densely (``"dense"``, and wherever re-alignment cannot be exact). The confidence gate
-recomputes densely everything approximated when the next token's top-2 margin is small.
+recomputed densely (``"dense"``, and wherever re-alignment cannot be exact).
 
 :class:`Placer` serves explicit composition (:mod:`.compose`) and automatic reuse: :class:`AutoReuse`
 is a request's ``reuse="auto"``/``"rotate"``/``"correct"`` step — find the prompt's spans in the span
-index, place them (blend, re-align, anchor-correct), compute the rest, gate the answer (the margins
-raised per agent by the fidelity :mod:`.audit`) and hand an approximate answer to the audit. Under
-``"auto"`` the gate is decided early where it can be: on a probe that computes only the rest of the
-prompt behind the re-aligned spans, before the blend is paid for (:meth:`Placer.fill`), so a
-rejection costs little more than the dense prefill it falls back to; what a rejection threw away is
-counted (:class:`Filled`).
+index, place them and compute the rest. ``"auto"`` decides each span from the cause: how far its tokens'
+layer-1 values moved from what the prompt's own context gives them, measured once after re-alignment;
+a span is blended with as many tokens recomputed as deviate (at least ``blend_ratio``), or prefilled when
+too many deviate, before anything of the prompt is computed (:meth:`Placer._blend`). Explicit composition
+and ``"correct"`` keep a confidence gate on the answer's next-token margin (raised per agent by the fidelity
+:mod:`.audit`); what it throws away is counted (:class:`Filled`). Every approximate answer goes to the audit.
 
 One way: the decisions are the pure functions of :mod:`.plan`, and every placement method here is a
 *program*: a generator that yields what it needs computed (:class:`~.plan.Compute`, :class:`~.plan.Deviation`,
@@ -47,6 +46,7 @@ from .plan import (
     Deviation,
     Filled,
     Program,
+    blend_decision,
     margin_verdict,
     most_deviating,
     plan_spans,
@@ -112,30 +112,31 @@ class Placer:
     def fill(self, state: KVState, policy: Reuse, partition: str) -> Program[Filled]:
         """Cross-prefix reuse for an admitted request (a program): place the spans of its prompt that sources
         of ``partition`` hold (after its exact prefix) as the plan (:func:`.plan.plan_spans`) and ``policy``
-        say, compute the rest, and, unless the policy is ``"rotate"``, recompute densely from the first
-        approximated token when the next token looks unsure (the confidence gate). Returns the next-token
-        logits, what was placed and what the gate threw away."""
+        say, and compute the rest. Under ``"auto"`` each span's fate is decided from its measured deviation
+        (:meth:`_blend`); ``"correct"`` keeps its confidence gate (recompute densely from the first
+        approximated token when the next token looks unsure). Returns the next-token logits and what was
+        placed (and, for ``"correct"``, what its gate threw away)."""
         with self._lock:
             # The prompt's last TAIL tokens are always computed (the last one: the request needs its logits).
             end = max(state.num_cached, state.num_tokens - TAIL)
             # Views of the sources: a release meanwhile leaves what is pinned readable.
             found = [dataclasses.replace(m, source=m.source.view())
                      for m in self._spans.find(state.token_ids, state.num_cached, end, partition)]
-            plan = plan_spans(found, state.num_tokens, policy, self.correction.blend_ratio > 0)
+            plan = plan_spans(found, policy, self.correction.blend_ratio > 0)
             pinned = [b for m in plan.place for b in m.source.blocks]
             self._kv.pin(pinned)  # the sources may be released meanwhile: keep their K/V readable
         try:
             work = _Work(self._kv.pool.shape.num_layers)
             spans = [(m.source, m.start, m.start + m.length, m.offset) for m in plan.place]
-            if plan.probe:
-                logits, reports = yield from self._blend_gated(work, state, spans)
+            if plan.blend:
+                logits, reports = yield from self._blend(work, state, spans)
             else:
                 reports = yield from self.place_all(state, spans, POLICY_MODES[policy], work)
                 logits = yield from work.compute(state)
                 approximated = [r.offset + r.tokens_cached for r in reports if r.outcome in APPROXIMATE]
-                if approximated and policy != "rotate":
-                    gate = self.correction.blend_min_margin if policy == "auto" else self.correction.min_margin
-                    why = margin_verdict(logits, self._audit.margin_for(state.agent, gate), "min_margin")
+                if approximated and policy == "correct":
+                    why = margin_verdict(logits, self._audit.margin_for(state.agent, self.correction.min_margin),
+                                         "min_margin")
                     if why is not None:
                         reports = yield from self._reject(work, state, reports, min(approximated),
                                                           f"{why} after approximation")
@@ -148,61 +149,56 @@ class Placer:
         finally:
             self._kv.unpin(pinned)
 
-    def _blend_gated(self, work: _Work, state: KVState, spans: Sequence[Span]) -> Program[tuple[Any, list]]:
-        """``reuse="auto"``: selective recomputation under a confidence gate that is decided early and cheaply.
+    def _blend(self, work: _Work, state: KVState, spans: Sequence[Span]) -> Program[tuple[Any, list]]:
+        """``reuse="auto"``: selective recomputation decided from the cause, per span, before anything is computed.
 
-        1. Every span is re-aligned into place and the rest of the prompt (the tokens between the spans
-           and the tail) computed behind them: the *probe*, a forward of those tokens only.
-        2. A probe whose next-token margin is below ``probe_min_margin`` is a close call the model is unsure
-           of with or without the approximation: the prompt is prefilled densely from the first placed span
-           at once, having spent only the probe (early rejection).
-        3. Otherwise the spans are blended as :meth:`place_all` does (one deviation pass over the first two
-           layers, each span's most-deviating share recomputed together with the tokens after the first
-           span), and the answer is kept when its margin is at least ``blend_min_margin`` (raised for an
-           agent the audit found short) and its next token is the probe's: two approximations of unequal
-           fidelity that disagree say the approximation decides the answer. Else everything is prefilled
-           densely (late rejection, which costs the probe and the blend on top of the dense prefill)."""
+        Every span is re-aligned into place; one pass of the first two layers over everything from the first span
+        on measures how far each token's layer-1 values moved from what this prompt's context gives them (layer 0
+        is exact: its K/V depend on token and position only). Each span is then blended or prefilled as
+        :func:`.plan.blend_decision` says from its deviation (the threshold lowered for an agent the audit found
+        short), and the prompt's remaining tokens — the blended spans' recomputed ones, the prefilled spans, the
+        tokens between and after the spans — are computed in one forward behind the kept K/V. No answer is
+        computed twice: nothing is thrown away."""
         cfg = self.correction
+        inherited = state.exact_len  # an approximate parent's: it stays approximate whatever happens here
         reports = yield from self.place_all(state, spans, "rotate", work)
-        probe = yield from work.compute(state)
         rotated = [r for r in reports if r.outcome == "rotated"]
-        if not rotated:  # nothing re-aligned (exact copies, or recomputed): nothing to gate
-            return probe, reports
+        if not rotated:  # nothing re-aligned (exact copies, or recomputed): nothing to decide
+            return (yield from work.compute(state)), reports
         first = min(r.offset + r.tokens_cached for r in rotated)
-        why = margin_verdict(probe, self._audit.margin_for(state.agent, cfg.probe_min_margin), "probe_min_margin")
-        if why is not None:
-            reports = yield from self._reject(work, state, reports, first, f"{why} with the spans re-aligned")
-            return _last(state), reports
-        # Selective recomputation: the spans' most-deviating tokens, and everything after the first span that
-        # is no span token (computed behind the re-aligned spans by the probe), behind the blended spans.
         last = max(r.offset + r.tokens_cached + r.tokens_reused for r in rotated)
         deviation = yield from work.deviation(first, last - first)
+        threshold = cfg.deviation_threshold / self._audit.margin_for(state.agent, 1.0)
         stale: list[int] = []
         placed: set[int] = set()
-        blended = []
+        kept: list[int] = []  # where the blended spans start
+        decided = []
         for r in reports:
             if r.outcome != "rotated":
-                blended.append(r)
+                decided.append(r)
                 continue
-            lo = r.offset + r.tokens_cached
-            n = r.tokens_reused
-            picked = most_deviating(deviation[lo - first : lo - first + n], cfg.blend_ratio, lo)
-            stale.extend(picked)
+            lo, n = r.offset + r.tokens_cached, r.tokens_reused
+            picked, why = blend_decision(deviation[lo - first : lo - first + n], lo, cfg.blend_ratio, threshold,
+                                         cfg.max_recompute)
             placed.update(range(lo, lo + n))
-            blended.append(r.model_copy(update={"outcome": "blended", "reason": _blended(len(picked), n),
-                                                "tokens_reused": n - len(picked)}))
-        stale.extend(p for p in range(first, state.num_tokens) if p not in placed)
-        recompute_at(state, sorted(set(stale)))
+            if picked is None:
+                stale.extend(range(lo, lo + n))
+                decided.append(r.model_copy(update={"outcome": "recomputed", "reason": why, "tokens_reused": 0}))
+            else:
+                stale.extend(picked)
+                kept.append(lo)
+                decided.append(r.model_copy(update={"outcome": "blended", "reason": why,
+                                                    "tokens_reused": n - len(picked)}))
+        stale.extend(p for p in range(first, state.num_cached) if p not in placed)  # what follows: computed anyway
+        # Everything before the first blended span is recomputed densely now: approximate only from there on.
+        bounds = [b for b in (inherited, min(kept, default=None)) if b is not None]
+        state.exact_len = min(bounds) if bounds else None
+        stale = sorted(set(stale) | set(state.stale))  # with the tokens before and between the spans (place_all)
+        state.stale.clear()
+        recompute_at(state, stale)
         logits = yield from work.compute(state)
-        why = margin_verdict(logits, self._audit.margin_for(state.agent, cfg.blend_min_margin), "min_margin")
-        if why is None and int(logits.argmax()) != int(probe.argmax()):
-            why = "the blended and the re-aligned K/V give different next tokens"
-        elif why is not None:
-            why += " after blending"
-        if why is not None:
-            blended = yield from self._reject(work, state, blended, first, why)
-            return _last(state), blended
-        return logits, blended
+        return logits, [r.model_copy(update={"exact": r.outcome not in APPROXIMATE and (
+            state.exact_len is None or state.exact_len >= r.offset)}) for r in decided]
 
     def _with_prefilled(
         self, state: KVState, reports: list[SegmentReport], prefilled: Sequence[tuple[SpanMatch, str]],

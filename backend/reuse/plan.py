@@ -34,12 +34,6 @@ T = TypeVar("T")
 # another first token than dense prefill in 8 of 8 documents with the parts re-aligned (and blended at 10%),
 # sometimes with a margin the gate let through; persona swaps (tens of tokens) stay far below it.
 MAX_CONTEXT_GAP = 256
-# reuse="auto" probes (computes the prompt's tokens outside the spans behind them) only when that is at most
-# this share of what a rejection prefills densely: so a rejection costs at most this much more than dense
-# prefill (the target of docs/results.md, agents). Beyond it the reusable share is small anyway.
-PROBE_SHARE = 0.25
-
-
 # -- what a program needs computed ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Compute:
@@ -93,11 +87,11 @@ def compute_all(state: KVState) -> Program[Filled]:
 @dataclass(frozen=True)
 class Plan:
     """The spans a prompt places (``place``, ascending) and those it prefills with the reason (``prefill``);
-    ``probe``: ``reuse="auto"`` gates the answer on a probe first (:meth:`~.place.Placer.fill`)."""
+    ``blend``: each placed span's fate is decided from its measured deviation (:func:`blend_decision`)."""
 
     place: tuple[SpanMatch, ...]
     prefill: tuple[tuple[SpanMatch, str], ...]
-    probe: bool
+    blend: bool
 
 
 def context_gap(span: SpanMatch) -> int:
@@ -105,32 +99,38 @@ def context_gap(span: SpanMatch) -> int:
     return abs(span.offset - span.start)
 
 
-def plan_spans(found: Sequence[SpanMatch], num_tokens: int, policy: str, blend: bool) -> Plan:
+def plan_spans(found: Sequence[SpanMatch], policy: str, blend: bool) -> Plan:
     """The plan of automatic reuse (``policy`` ``"auto"``, ``"rotate"`` or ``"correct"``; ``blend``: selective
-    recomputation is on) for a prompt of ``num_tokens`` tokens with the spans ``found``:
-
-    - a span placed farther than :data:`MAX_CONTEXT_GAP` from where its source read it is prefilled;
-    - under ``"auto"`` with blending, the spans are placed only if the probe (the prompt's tokens outside them,
-      from the first span on) is at most :data:`PROBE_SHARE` of what a rejection would prefill: else a
-      rejection would cost more than the dense prefill it falls back to, and everything is prefilled."""
+    recomputation is on) for the spans ``found`` in a prompt: a span placed farther than :data:`MAX_CONTEXT_GAP`
+    from where its source read it is prefilled (its K/V miss too much of the context they are used in); under
+    ``"auto"`` with blending, every other span is decided after its deviation is measured."""
     near = tuple(m for m in found if context_gap(m) <= MAX_CONTEXT_GAP)
-    prefill = [(m, _far(m)) for m in found if context_gap(m) > MAX_CONTEXT_GAP]
-    probe = policy == "auto" and blend and bool(near)
-    if probe:
-        fallback = num_tokens - near[0].offset
-        probe_tokens = fallback - sum(m.length for m in near)
-        if probe_tokens > PROBE_SHARE * fallback:
-            why = (f"the confidence gate's probe would compute {probe_tokens} of the {fallback} tokens from the "
-                   f"first span on (more than {PROBE_SHARE:.0%}): a rejection would cost more than the dense "
-                   "prefill it falls back to, so it was prefilled")
-            prefill += [(m, why) for m in near]
-            near, probe = (), False
-    return Plan(near, tuple(sorted(prefill, key=lambda p: p[0].offset)), probe)
+    prefill = tuple((m, _far(m)) for m in found if context_gap(m) > MAX_CONTEXT_GAP)
+    return Plan(near, prefill, policy == "auto" and blend and bool(near))
 
 
 def _far(span: SpanMatch) -> str:
     return (f"read {span.start} tokens into its source and {span.offset} here: at least {context_gap(span)} tokens "
             f"of the context it attends to differ (more than {MAX_CONTEXT_GAP}), so it was prefilled")
+
+
+def blend_decision(deviation: torch.Tensor, offset: int, ratio: float, threshold: float,
+                   max_share: float) -> tuple[list[int] | None, str]:
+    """What selective recomputation does with one re-aligned span, from the cause: how far its tokens' layer-1
+    values moved from what the prompt's own context gives them (``deviation``, one per token, the span at
+    ``offset``). Every token above ``threshold`` is recomputed, and at least the ``ratio`` share that deviates
+    most (an adaptive share, as CacheBlend's selection); a span with more than ``max_share`` of its tokens above
+    the threshold missed too much of its new context for recomputation to fix cheaply and is prefilled
+    (None). Decided before any of the prompt is computed, so a prefilled span costs its prefill and the
+    deviation pass (two of the model's layers), nothing thrown away. The reason says which and why."""
+    n = len(deviation)
+    over = int((deviation > threshold).sum())
+    if over > max_share * n:
+        return None, (f"{over} of its {n} tokens' layer-1 values deviate by more than {threshold:g} from its new "
+                      f"context (more than {max_share:.0%}): too much to recompute selectively, so it was prefilled")
+    picked = most_deviating(deviation, max(ratio, over / n if n else 0.0), offset)
+    return picked, (f"keys re-aligned to the new positions; the {len(picked)} of {n} tokens whose layer-1 values "
+                    f"deviated most ({over} above {threshold:g}) were recomputed behind the new prefix")
 
 
 def most_deviating(deviation: torch.Tensor, ratio: float, offset: int) -> list[int]:
