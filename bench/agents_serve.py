@@ -42,7 +42,8 @@ STARTUP_TIMEOUT_S = 300.0
 @contextmanager
 def served(dtype: str, kv_budget: str, prefix_cache: bool = True) -> Iterator[str]:
     """A ``kvbaton serve`` on loopback for one variant run (its URL), stopped at the end."""
-    flags = ["--kv-budget", kv_budget, "--dtype", dtype, *([] if prefix_cache else ["--no-prefix-cache"])]
+    flags = ["--kv-budget", kv_budget, "--dtype", dtype, *([] if prefix_cache else ["--no-prefix-cache"]),
+             "--served-model-name", "x"]  # the name this benchmark's requests give (the server refuses others)
     proc, url = start_kvbaton_serve(*flags, timeout=STARTUP_TIMEOUT_S)
     try:
         yield url

@@ -236,11 +236,11 @@ class SoakClient:
                 if result is not None:
                     self.post("release", "/v1/kv/release", {"handles": [result["handle"]["id"]]})
         elif op == "chat":
-            body = {"model": "default", "messages": [{"role": "user", "content": self.question()}], **sampling}
+            body = {"messages": [{"role": "user", "content": self.question()}], **sampling}
             headers = {"X-Kvbaton-Agent": f"agent{self.index % 8}"}
             (self.stream if streamed else self.post)("chat", "/v1/chat/completions", body, headers)
         elif op == "completion":
-            body = {"model": "default", "prompt": self.question(), **sampling}
+            body = {"prompt": self.question(), **sampling}
             (self.stream if streamed else self.post)("completion", "/v1/completions", body)
         else:
             self.post("release", "/v1/kv/release", {"handles": [self.kept.pop(rng.randrange(len(self.kept)))]})

@@ -89,10 +89,10 @@ class VolumeClient(SoakClient):
             if forks is not None:
                 self.post("release", "/v1/kv/release", {"handles": [h["id"] for h in forks["handles"]]})
         elif op == "chat":
-            body = {"model": "default", "messages": [{"role": "user", "content": self.question()}], **sampling}
+            body = {"messages": [{"role": "user", "content": self.question()}], **sampling}
             self.post("chat", "/v1/chat/completions", body, {"X-Kvbaton-Agent": f"agent{self.index % 4}"})
         elif op == "completion":
-            self.post("completion", "/v1/completions", {"model": "default", "prompt": self.question(), **sampling})
+            self.post("completion", "/v1/completions", {"prompt": self.question(), **sampling})
         else:
             self.post("release", "/v1/kv/release", {"handles": [self.kept.pop(rng.randrange(len(self.kept)))]})
 

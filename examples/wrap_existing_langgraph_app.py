@@ -86,8 +86,10 @@ class LocalServer:
         import uvicorn
         from kvbaton.backend.server import create_app
 
-        # max_agents=0: the server retains no agent handle between requests (the text baseline)
-        app = create_app(client.engine, **({} if keep_handles else {"max_agents": 0}))
+        # max_agents=0: the server retains no agent handle between requests (the text baseline); the app's
+        # own model name is one of the served names (an explicit alias, as vLLM's --served-model-name)
+        app = create_app(client.engine, served_model_names=[client.engine.model_name, "gpt-4o-mini"],
+                         **({} if keep_handles else {"max_agents": 0}))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

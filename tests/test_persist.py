@@ -129,7 +129,7 @@ def test_the_journals_fsync_runs_off_the_event_loop(tmp_path: Path, monkeypatch)
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(materialize)
                 assert await anyio.to_thread.run_sync(syncing.wait, 300)  # its journal line is being fsync'd
-                other = await http.post("/v1/completions", json={"model": "default", "prompt": "Hello",
+                other = await http.post("/v1/completions", json={"prompt": "Hello",
                                                                   "max_tokens": 2})
                 assert other.status_code == 200, other.text  # served meanwhile: the loop is not waiting on the disk
                 assert (await http.get("/health")).status_code == 200

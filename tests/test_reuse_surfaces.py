@@ -67,7 +67,7 @@ class Tenant:
     def openai(self, messages: list[dict[str, str]], agent: str | None = None, **body: Any) -> httpx.Response:
         headers = {"X-Kvbaton-Agent": agent} if agent else {}
         r = self.http.post("/v1/chat/completions", headers=headers,
-                           json={"model": "x", "messages": messages, "max_tokens": 4, **body})
+                           json={"messages": messages, "max_tokens": 4, **body})
         assert r.status_code == 200, r.text
         self.made.extend(h for h in r.json()["kvbaton"]["handles"] if h)
         return r
@@ -182,7 +182,7 @@ def test_openai_default_is_exact_rotate_is_marked_and_a_resumed_approximate_turn
 def test_openai_stream_and_completions_are_marked(servers, tenants):
     t = open_tenant(tenants, servers["server"])
     t.openai(chat("You are the scribe. Write the minutes."), agent="st-scribe")
-    body = {"model": "x", "messages": chat("You are the auditor. Check the numbers."), "max_tokens": 3,
+    body = {"messages": chat("You are the auditor. Check the numbers."), "max_tokens": 3,
             "stream": True, "stream_options": {"include_usage": True}, "kvbaton": {"reuse": "rotate"}}
     with t.http.stream("POST", "/v1/chat/completions", json=body, headers={"X-Kvbaton-Agent": "st-auditor"}) as r:
         assert r.status_code == 200
@@ -195,10 +195,10 @@ def test_openai_stream_and_completions_are_marked(servers, tenants):
     timings = marked[0]["timings"][0]
     assert usage["prompt_tokens_details"]["cached_tokens"] == timings["tokens_reused"] - timings["tokens_approximate"]
 
-    r = t.http.post("/v1/completions", json={"model": "x", "prompt": "Notes to audit:\n" + DOC, "max_tokens": 2,
+    r = t.http.post("/v1/completions", json={"prompt": "Notes to audit:\n" + DOC, "max_tokens": 2,
                                              "kvbaton": {"reuse": "rotate"}})
     assert r.status_code == 200 and r.headers[APPROXIMATE] == "true" and not r.json()["kvbaton"]["exact"]
-    r = t.http.post("/v1/completions", json={"model": "x", "prompt": "Notes to audit:\n" + DOC, "max_tokens": 2})
+    r = t.http.post("/v1/completions", json={"prompt": "Notes to audit:\n" + DOC, "max_tokens": 2})
     assert r.status_code == 200 and APPROXIMATE not in r.headers and r.json()["kvbaton"]["exact"]
     assert r.json()["kvbaton"]["reuse"] == "exact"
 
@@ -221,7 +221,7 @@ def test_streamed_chat_openai_replies_are_marked_on_every_surface(servers, tenan
     t.openai(chat("You are the reader. Summarize the notes."), agent="sm-reader")
     client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
-        model="x", messages=chat("You are the streaming critic."), max_tokens=3, stream=True,
+        model="smollm2-135m-instruct", messages=chat("You are the streaming critic."), max_tokens=3, stream=True,
         extra_headers={"X-Kvbaton-Agent": "sm-critic", "X-Kvbaton-Reuse": "rotate"})
     assert raw.headers[APPROXIMATE] == "true"
     chunks = list(raw.parse())
@@ -233,7 +233,8 @@ def test_streamed_chat_openai_replies_are_marked_on_every_surface(servers, tenan
         messages: list[Any]
 
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
-    llm = langchain_openai.ChatOpenAI(model="x", base_url=f"{proc.url}/v1", api_key="unused", streaming=True,
+    llm = langchain_openai.ChatOpenAI(model="smollm2-135m-instruct", base_url=f"{proc.url}/v1", api_key="unused",
+                                      streaming=True,
                                       max_tokens=3, temperature=0, max_retries=0, timeout=120)
 
     def node(role: str) -> Any:
@@ -257,7 +258,7 @@ def test_sessions_keep_approximate_reuse_to_their_own_run(servers, tenants):
 
     def ask(system: str, agent: str, session: str) -> dict[str, Any]:
         r = t.http.post("/v1/chat/completions", headers={"X-Kvbaton-Agent": agent, "X-Kvbaton-Session": session},
-                        json={"model": "x", "messages": chat(system), "max_tokens": 2, "kvbaton": {"reuse": "rotate"}})
+                        json={"messages": chat(system), "max_tokens": 2, "kvbaton": {"reuse": "rotate"}})
         assert r.status_code == 200, r.text
         ext = r.json()["kvbaton"]
         t.made.extend(h for h in ext["handles"] if h)

@@ -159,7 +159,7 @@ def test_openai_route_agentless_and_tagged_requests_reuse_only_their_tenants_pre
             return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.json()["choices"][0]["text"]
 
     for agent in (None, "reader"):
-        body = {"model": "x", "prompt": fresh_prompt(), "max_tokens": 4, "temperature": 0.0}
+        body = {"prompt": fresh_prompt(), "max_tokens": 4, "temperature": 0.0}
         a_first, a_text = cached(TOKEN_A, agent)
         a_again, _ = cached(TOKEN_A, agent)
         assert a_again > 0, "the same tenant reuses its own prefix"
