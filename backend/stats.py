@@ -46,6 +46,7 @@ def engine_stats(
         tokens_generated=requests.tokens_generated,
         tokens_approximate=requests.tokens_approximate,
         tokens_discarded=requests.tokens_discarded,
+        tokens_recomputed=requests.tokens_recomputed,
         # Blocks referenced by more than one handle or request (the cache's own reference aside).
         blocks_shared=sum(1 for b in range(pool.num_blocks) if pool.refcount(b) - (b in cached) > 1),
         blocks_cached=len(cached),

@@ -140,6 +140,11 @@ class Timings(BaseModel):
         "it then rejected (recomputing the prompt densely instead), a pass over the first layers only counted as "
         "its share of the layers. 0 unless the gate rejected.",
     )
+    tokens_recomputed: int = Field(
+        default=0,
+        description="Of ``tokens_prefilled``, the tokens of spans found in other agents' K/V that were computed "
+        "anyway: a blended span's most-deviating tokens, and spans prefilled (each span's reason in ``segments``).",
+    )
 
 
 FinishReason = Literal["stop", "length"]
@@ -348,6 +353,9 @@ class Stats(BaseModel):
     tokens_discarded: int = Field(
         default=0, description="Work the confidence gate threw away, summed over requests (Timings.tokens_discarded)."
     )
+    tokens_recomputed: int = Field(
+        default=0, description="Found spans' tokens computed anyway, summed over requests (Timings.tokens_recomputed)."
+    )
     cache: CacheStats | None = None
     audit: AuditStats | None = Field(
         default=None, description="The sampled fidelity check of approximate answers (engines that approximate)."
@@ -453,6 +461,12 @@ class Event(BaseModel):
     t_done: float | None = None
     tokens_reused: int = Field(default=0, description="Prompt tokens reused exactly or approximately.")
     tokens_approximate: int = Field(default=0, description="Of tokens_reused, those reused approximately.")
+    tokens_recomputed: int = Field(
+        default=0, description="Of tokens_prefilled, found spans' tokens computed anyway (Timings.tokens_recomputed)."
+    )
+    reasons: list[str] = Field(
+        default_factory=list, description="Why found spans were recomputed or prefilled (their segments' reasons).",
+    )
     tokens_prefilled: int = 0
     tokens_generated: int = 0
     handle_in: str | None = Field(default=None, description="The parent handle the request continued, if any.")

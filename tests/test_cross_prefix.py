@@ -465,6 +465,10 @@ def test_auto_decides_each_span_before_computing_anything_and_a_prefilled_span_c
             outcomes[name] = span.outcome
             assert review.timings.tokens_discarded == 0 and engine.stats().tokens_discarded == 0
             placed = span.end - span.start - span.tokens_cached
+            # what users see: the tokens found but computed anyway, counted and said why, on the timeline too
+            assert review.timings.tokens_recomputed == placed - span.tokens_reused == engine.stats().tokens_recomputed
+            (event,) = [e for e in engine.events().events if e.kind == "request" and e.agent == "reviewer"]
+            assert event.tokens_recomputed == review.timings.tokens_recomputed and event.reasons == [span.reason]
             if name == "prefilled":
                 assert "so it was prefilled" in span.reason and review.exact and span.exact
                 prompt = engine.chat_tokens(messages)

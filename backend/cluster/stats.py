@@ -28,7 +28,7 @@ class Worker(Protocol):
 _SUMMED = (
     "blocks_total", "blocks_used", "blocks_free", "blocks_shared", "blocks_cached", "blocks_cache_only",
     "pool_bytes_total", "pool_bytes_used", "pool_bytes_free", "tokens_reused", "tokens_prefilled", "tokens_generated",
-    "tokens_approximate", "tokens_discarded",
+    "tokens_approximate", "tokens_discarded", "tokens_recomputed",
 )
 
 

@@ -59,23 +59,27 @@ class AgentLatencies:
 @dataclass
 class RequestCounters:
     """Tokens served, for ``Stats`` (its field names): of the prompts, reused from the prefix cache or a
-    handle (``tokens_approximate`` of them placed behind another prefix) or prefilled; generated. Guarded
-    by the engine lock."""
+    handle (``tokens_approximate`` of them placed behind another prefix) or prefilled (``tokens_recomputed`` of
+    them found in other agents' K/V); generated. Guarded by the engine lock."""
 
     ttft: AgentLatencies = field(default_factory=AgentLatencies)  # bounded: see AgentLatencies
     tokens_reused: int = 0
     tokens_prefilled: int = 0
     tokens_approximate: int = 0
     tokens_discarded: int = 0
+    tokens_recomputed: int = 0
     tokens_generated: int = 0
 
-    def prompt(self, reused: int, prompt_len: int, approximate: int = 0, discarded: int = 0) -> None:
+    def prompt(self, reused: int, prompt_len: int, approximate: int = 0, discarded: int = 0,
+               recomputed: int = 0) -> None:
         """A prompt of ``prompt_len`` tokens was filled: ``reused`` of them (``approximate`` of those
-        approximately), the rest prefilled; ``discarded``: work the confidence gate threw away."""
+        approximately), the rest prefilled (``recomputed`` of those found in other agents' K/V and computed
+        anyway); ``discarded``: work the confidence gate threw away."""
         self.tokens_reused += reused
         self.tokens_prefilled += prompt_len - reused
         self.tokens_approximate += approximate
         self.tokens_discarded += discarded
+        self.tokens_recomputed += recomputed
 
 
 def _p90(values: Sequence[float]) -> float:

@@ -210,7 +210,7 @@ class Lifecycle:
                     event.t_admitted = request.t_admitted
                     with self._lock:
                         p = out.prompted
-                        self.counters.prompt(p.reused, out.prompt_len, p.approximate, p.discarded)
+                        self.counters.prompt(p.reused, out.prompt_len, p.approximate, p.discarded, p.recomputed)
                 yield chunk
             with self._lock:
                 self._kv.trim(state)
@@ -244,6 +244,7 @@ class Lifecycle:
                 tokens_generated=len(out.generated),
                 tokens_approximate=prompted.approximate,
                 tokens_discarded=prompted.discarded,
+                tokens_recomputed=prompted.recomputed,
             ),
             exact=handle.exact,
             # what exact promises: token-identical to dense prefill in float32 only (tests/test_exactness.py)
@@ -270,6 +271,9 @@ class Lifecycle:
         with self._lock:
             value = self._predictions.get(agent)
         return None if value is None or math.isinf(value) else value
+
+
+MAX_REASONS = 8  # span reasons an event carries (a prompt quoting many spans: the first ones)
 
 
 class _RequestEvent:
@@ -311,4 +315,7 @@ class _RequestEvent:
             tokens_prefilled=t.tokens_prefilled, tokens_generated=t.tokens_generated, handle_in=self.handle_in,
             handle_out=result.handle.id, blocks_loaded=dict(self.loads.blocks),
             prefetch_hits=self.loads.prefetch_hits, ste_predicted=self.predicted, background=self.background,
+            tokens_recomputed=t.tokens_recomputed,
+            reasons=[s.reason for s in result.segments if s.outcome == "recomputed" or s.tokens_reused < s.end - s.start
+                     - s.tokens_cached][:MAX_REASONS],
         )

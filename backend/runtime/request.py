@@ -58,6 +58,7 @@ class Prompted:
     segments: list[SegmentReport]
     exact: bool  # the prompt's K/V are all exact
     extra: Any = None  # what the program returned beyond that (a composition's margin)
+    recomputed: int = 0  # found spans' tokens computed anyway (blended spans' recomputed share, prefilled spans)
 
 
 @dataclass(frozen=True)

@@ -405,6 +405,7 @@ class Scheduler:
                 reused=request.reused_prefix + sum(s.tokens_reused for s in filled.segments),
                 approximate=approximate, discarded=filled.discarded, segments=filled.segments,
                 exact=state.exact_len is None, extra=filled.extra,
+                recomputed=sum(s.end - s.start - s.tokens_cached - s.tokens_reused for s in filled.segments),
             ))
         if request.generates:
             if logits is None:

@@ -82,6 +82,8 @@
         `decode ${fmt(td - tf, 3)} s\nprompt tokens reused ${int(e.tokens_reused)} (approximately ${int(e.tokens_approximate)}), ` +
         `prefilled ${int(e.tokens_prefilled)}; generated ${int(e.tokens_generated)}\ncached blocks attached: ` +
         `${byPlace(e.blocks_loaded)}; brought back by prefetch ${int(e.prefetch_hits)}` +
+        (e.tokens_recomputed ? `\nfound in other agents' K/V but computed: ${int(e.tokens_recomputed)}` : "") +
+        (e.reasons && e.reasons.length ? `\n${e.reasons.map((r) => `- ${r}`).join("\n")}` : "") +
         (e.ste_predicted !== null && e.ste_predicted !== undefined ? `\nbefore it ran: ${steOf(e.ste_predicted)}` : "");
       let g = `<g class="request" data-agent="${esc(laneOf(e))}"><title>${esc(tip)}</title>`;
       if (ta > tq) g += `<rect x="${x(tq)}" y="${y + h / 2 - 2}" width="${Math.max(1, x(ta) - x(tq))}" height="4" fill="${COLORS.queued}"/>`;
