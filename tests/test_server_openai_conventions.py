@@ -329,7 +329,8 @@ def test_logs_say_what_the_server_does(srv, client, http):
     httpx.get(f"{srv.url}/v1/models%0AINFO forged-without-token")
     http.get("/v1/models%C2%85INFO forged-by-nel%E2%80%A8INFO forged-by-ls")  # U+0085, U+2028: line breaks too
     deadline = time.monotonic() + 30  # the throughput line comes with the next interval (1 s); an access line
-    waited = ("kvbaton.stats: throughput:", "forged-without-token 401")  # is written just after its answer went
+    waited = ("kvbaton.stats: throughput:", "forged-without-token 401",  # is written just after its answer went
+              "forged-by-ls 404")
     while not all(w in srv.log.read_text(errors="replace") for w in waited) and time.monotonic() < deadline:
         time.sleep(0.2)
     log = srv.log.read_text(errors="replace")

@@ -570,7 +570,12 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         released = await state.run(state.release_session, request_tenant(request), session_id)
         return p.SessionReleased(session=session_id, released=released)
 
-    @app.post("/v1/responses", **oa, responses={**ERROR_RESPONSES, 200: {"model": p.ResponseObject}})
+    events = ("With `stream: true`: the Responses API's events (`response.created` ... `response.output_text.delta` "
+              "... `response.completed` or `response.incomplete`), each `event: <type>` with its JSON.")
+
+    @app.post("/v1/responses", **oa, responses={**ERROR_RESPONSES, 200: {
+        "model": p.ResponseObject, "content": {"text/event-stream": {"schema": {"type": "string", "description": events}}},
+        "description": "A `ResponseObject`, or with `stream: true` the Responses API's server-sent events."}})
     async def create_response(body: p.ResponsesRequest, request: Request) -> Any:
-        """The Responses API, text only, not streamed (``docs/server.md#responses-api``)."""
+        """The Responses API, text only, whole or streamed (``docs/server.md#responses-api``)."""
         return await responses.handle(body, request)
