@@ -73,8 +73,9 @@ def test_64_concurrent_clients_lose_nothing(server):
         after = admin.stats()
         assert after.handles_live == 0
         assert after.blocks_shared == 0
-        # the pool is empty again, except prefix-cache blocks that no handle uses (evictable)
-        assert after.blocks_used == after.blocks_cache_only
+        # the pool is empty again, except prefix-cache blocks that no handle uses and released approximate turns
+        # kept for their agent's next turn (earlier tests' on this shared server): both a cache, evictable
+        assert after.blocks_used == after.blocks_cache_only + after.blocks_retained_only, after
         assert after.tokens_generated > before.tokens_generated
         with server.http() as http:
             metrics = http.get("/metrics").text
