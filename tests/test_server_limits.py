@@ -173,10 +173,10 @@ def test_a_request_whose_client_left_before_its_answer_releases_what_it_made(ser
         until(idle, "the server idle")
         before = live()
         abandoned = [  # each with a prompt of its own (no prefix-cache hit makes it quick)
-            ("/v1/kv/materialize", {"context": document(1500, seed=401)}),
-            ("/v1/kv/complete", {"prompt": document(1500, seed=402), "max_tokens": 64, "ignore_eos": True}),
+            ("/v1/kv/materialize", {"context": document(800, seed=401)}),
+            ("/v1/kv/complete", {"prompt": document(800, seed=402), "max_tokens": 64, "ignore_eos": True}),
             ("/v1/chat/completions", {"model": "smollm2-135m-instruct", "max_tokens": 64, "kvbaton": {"keep": True},
-                                      "messages": [{"role": "user", "content": document(1500, seed=403)}]}),
+                                      "messages": [{"role": "user", "content": document(800, seed=403)}]}),
         ]
         for path, body in abandoned:
             with pytest.raises(httpx.TimeoutException):  # the client gives up long before the answer
