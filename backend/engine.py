@@ -229,6 +229,18 @@ class Engine(ConfiguredEngine):
         """The model's context length in tokens."""
         return self.loaded.max_context
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The checkpoint's ``generation_config.json`` sampling (temperature, top-p, top-k) where it says to sample
+        (``do_sample``), as transformers' ``generate`` and vLLM's server apply them to a request that sets none;
+        empty for a greedy checkpoint. The SDK's ``SamplingParams()`` stays greedy; the OpenAI routes use these."""
+        found = self.loaded.generation_defaults
+        if not found.get("do_sample"):
+            return {}
+        defaults = {"temperature": found.get("temperature", 1.0)}
+        defaults.update({k: found[k] for k in ("top_p", "top_k") if found.get(k) is not None})
+        return defaults
+
     def healthy(self) -> tuple[bool, str]:
         """An in-process engine serves while its process runs."""
         return True, "ok"

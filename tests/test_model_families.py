@@ -153,6 +153,35 @@ def test_the_checkpoint_brings_its_chat_template_eos_list_and_sampling_defaults(
     assert {0, 2} <= loaded.eos_token_ids
     assert loaded.generation_defaults == {k: GENERATION[k] for k in ("do_sample", "temperature", "top_p", "top_k")}
     assert loaded.max_context == config_of(family.name)["max_position_embeddings"]
+    # what an OpenAI request that sets no sampling gets (the SDK's SamplingParams() stays greedy)
+    assert family.engine.sampling_defaults == {k: GENERATION[k] for k in ("temperature", "top_p", "top_k")}
+
+
+def test_an_openai_request_that_sets_no_sampling_samples_as_the_checkpoint_says(checkpoints):
+    import httpx
+    from kvbaton.backend.server import create_app
+
+    engine = Engine(model=str(build("llama", checkpoints)), kv_budget="16MiB", block_size=16)
+    app = create_app(engine)
+
+    async def ask(**sampling):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvbaton", timeout=120) as http:
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "seed": 5,
+                    **sampling}
+            answer = await http.post("/v1/chat/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["choices"][0]["message"]["content"]
+
+    import anyio
+
+    try:
+        unset = anyio.run(ask)
+        assert unset == anyio.run(lambda: ask(temperature=GENERATION["temperature"], top_p=GENERATION["top_p"],
+                                              top_k=GENERATION["top_k"]))
+    finally:
+        engine.close()
 
 
 # -- model-free: the registry's refusals, paths and docs ------------------------------------------------------------

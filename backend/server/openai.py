@@ -42,7 +42,6 @@ from kvbaton.errors import (
     HandleReleased,
     InvalidRequest,
     ModelNotFound,
-    PoolExhausted,
 )
 from kvbaton.stream import TokenStream
 from kvbaton.tools import parse_tool_calls
@@ -168,7 +167,7 @@ class OpenAIServing:
                                  "choices per request (--max-n).", param="n" if len(prompts) == 1 else "prompt")
         state.check_owned(tenant, [ext.handle])
         policy = state.reuse(request_reuse(request, ext.reuse))
-        fields = {k: v for k, v in body.sampling_fields().items() if v is not None}
+        fields = {**state.sampling_defaults, **{k: v for k, v in body.sampling_fields().items() if v is not None}}
         fields.setdefault("max_tokens", state.default_max_tokens)
         if fields.get("min_tokens", 0) > fields["max_tokens"]:
             raise InvalidRequest(f"Invalid value for 'min_tokens': {fields['min_tokens']} exceeds {body.max_field()} "
@@ -399,35 +398,30 @@ class ChatServing(OpenAIServing):
                 agent=plan.engine_agent, reuse=plan.policy,
             ))
 
-        while True:
-            slot = state.slots.slot(plan.key)
-            streams: list[TokenStream] = []
-            try:
-                with slot.lock:
-                    base: p.HandleRef | None = plan.handle if plan.handle is not None else slot.handle_id
-                    if plan.handle is None and not slot.exact and plan.policy == "exact":
-                        # An exact request does not resume the agent's approximate turn; its exact
-                        # prefix still comes from the prefix cache. (A handle the caller names is used.)
-                        base = None
-                    state.check_owned(plan.tenant, [base])  # the retained handle is used: its idle time restarts
-                    for params in plan.params:
-                        try:
-                            streams.append(open_stream(base, params))
-                        except (HandleNotFound, HandleReleased):
-                            if plan.handle is not None or base is None:
-                                raise
-                            slot.handle_id = base = None  # the retained handle was released meanwhile
-                            streams.append(open_stream(None, params))
-                return streams, prime_all(streams)
-            except PoolExhausted:
-                close_all(streams)
-                victim = state.slots.oldest_idle(plan.tenant, exclude=plan.key)
-                if victim is None:
-                    raise
-                state.release_quietly([victim.take()])
-            except BaseException:
-                close_all(streams)
-                raise
+        # Other agents' slots are idle live handles: when the pool is short, the engine's one owner of kept KV
+        # spills them in its eviction order (cache/store.py), so nothing here catches PoolExhausted to retry.
+        slot = state.slots.slot(plan.key)
+        streams: list[TokenStream] = []
+        try:
+            with slot.lock:
+                base: p.HandleRef | None = plan.handle if plan.handle is not None else slot.handle_id
+                if plan.handle is None and not slot.exact and plan.policy == "exact":
+                    # An exact request does not resume the agent's approximate turn; its exact
+                    # prefix still comes from the prefix cache. (A handle the caller names is used.)
+                    base = None
+                state.check_owned(plan.tenant, [base])  # the retained handle is used: its idle time restarts
+                for params in plan.params:
+                    try:
+                        streams.append(open_stream(base, params))
+                    except (HandleNotFound, HandleReleased):
+                        if plan.handle is not None or base is None:
+                            raise
+                        slot.handle_id = base = None  # the retained handle was released meanwhile
+                        streams.append(open_stream(None, params))
+            return streams, prime_all(streams)
+        except BaseException:
+            close_all(streams)
+            raise
 
     def finish(self, plan: Plan, results: Sequence[Result]) -> list[str | None]:
         state = self.state

@@ -36,7 +36,7 @@ import anyio.to_thread
 from kvbaton.client import sampling_params
 from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest, ServerUnavailable
 from kvbaton.handle import Handle
-from kvbaton.ops import check_reuse, ste_map
+from kvbaton.ops import ste_map
 from kvbaton.types import Event, Events, Reuse, SamplingParams, Stats
 
 from ..cache.block_pool import blocks_for_budget
@@ -75,6 +75,9 @@ class ServerState:
         self.multi_tenant = bool(tenants)
         self.names = AgentNames(self.multi_tenant)
         self.default_reuse = args.reuse or engine.default_reuse
+        # What an OpenAI request that sets no temperature / top_p / top_k samples with: the checkpoint's
+        # generation_config.json defaults where it has them (as vLLM serves them), else greedy.
+        self.sampling_defaults: dict[str, Any] = dict(getattr(engine, "sampling_defaults", None) or {})
         self.cross_prefix = self._partition(args.shared_spans, args.shared_prefix_cache)
         first = engine.stats()
         # The names the OpenAI routes report (the first in answers); the engine's own name by default.

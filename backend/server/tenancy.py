@@ -350,14 +350,6 @@ class AgentSlots:
             self._slots.move_to_end(key)
             return slot
 
-    def oldest_idle(self, tenant: str, exclude: SlotKey | None = None) -> Slot | None:
-        """The tenant's least recently used slot holding a handle that no request is using now."""
-        with self._lock:
-            for key, slot in self._slots.items():
-                if key[0] == tenant and key != exclude and slot.handle_id is not None and not slot.lock.locked():
-                    return slot
-            return None
-
     def overflow(self, tenant: str) -> list[Slot]:
         """Drop the tenant's least recently used idle slots beyond ``max_slots``; the dropped ones."""
         with self._lock:
