@@ -68,9 +68,13 @@ class CorrectionConfig:
     # reuse="auto" decides each span from its measured deviation (docs/segments.md, "The decision rule"): a
     # token whose layer-1 values moved by more than this (relative squared distance) from what the prompt's
     # own context gives is recomputed; a span with more than ``max_recompute`` of its tokens above it is
-    # prefilled instead. Tuned on the workload family's tune split, reported on its report split.
-    deviation_threshold: float = 0.05
+    # prefilled instead. Tuned on the workload family's tune split (the largest threshold that kept question
+    # accuracy within 2 points of dense there), reported on its report split (docs/segments.md).
+    deviation_threshold: float = 0.001
     max_recompute: float = 0.5
+    # A span read this many tokens from where a prompt places it misses (or holds) too much context: prefilled
+    # without measuring (plan.MAX_CONTEXT_GAP; the map-reduce reducer's stitched parts).
+    max_context_gap: int = 256
     # The confidence gate after an explicit blend (compose(mode="blend")). Blending leaves the next-token
     # distribution much closer to dense than rotation or anchors, so a smaller margin is already safe.
     blend_min_margin: float = 0.25
@@ -86,8 +90,8 @@ class CorrectionConfig:
             raise InvalidRequest("min_margin must be >= 0 (0 turns the confidence gate off)")
         if not 0 <= self.blend_ratio <= 1 or self.blend_min_margin < 0:
             raise InvalidRequest("blend_ratio must be in [0, 1] and blend_min_margin >= 0")
-        if self.deviation_threshold < 0 or not 0 <= self.max_recompute <= 1:
-            raise InvalidRequest("deviation_threshold must be >= 0 and max_recompute in [0, 1]")
+        if self.deviation_threshold < 0 or not 0 <= self.max_recompute <= 1 or self.max_context_gap < 0:
+            raise InvalidRequest("deviation_threshold and max_context_gap must be >= 0, max_recompute in [0, 1]")
 
 
 def correction_config(value: CorrectionConfig | Mapping[str, Any] | None) -> CorrectionConfig | None:

@@ -122,7 +122,7 @@ class Placer:
             # Views of the sources: a release meanwhile leaves what is pinned readable.
             found = [dataclasses.replace(m, source=m.source.view())
                      for m in self._spans.find(state.token_ids, state.num_cached, end, partition)]
-            plan = plan_spans(found, policy, self.correction.blend_ratio > 0)
+            plan = plan_spans(found, policy, self.correction.blend_ratio > 0, self.correction.max_context_gap)
             pinned = [b for m in plan.place for b in m.source.blocks]
             self._kv.pin(pinned)  # the sources may be released meanwhile: keep their K/V readable
         try:

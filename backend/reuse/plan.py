@@ -99,19 +99,19 @@ def context_gap(span: SpanMatch) -> int:
     return abs(span.offset - span.start)
 
 
-def plan_spans(found: Sequence[SpanMatch], policy: str, blend: bool) -> Plan:
+def plan_spans(found: Sequence[SpanMatch], policy: str, blend: bool, max_gap: int = MAX_CONTEXT_GAP) -> Plan:
     """The plan of automatic reuse (``policy`` ``"auto"``, ``"rotate"`` or ``"correct"``; ``blend``: selective
-    recomputation is on) for the spans ``found`` in a prompt: a span placed farther than :data:`MAX_CONTEXT_GAP`
+    recomputation is on) for the spans ``found`` in a prompt: a span placed farther than ``max_gap`` tokens
     from where its source read it is prefilled (its K/V miss too much of the context they are used in); under
     ``"auto"`` with blending, every other span is decided after its deviation is measured."""
-    near = tuple(m for m in found if context_gap(m) <= MAX_CONTEXT_GAP)
-    prefill = tuple((m, _far(m)) for m in found if context_gap(m) > MAX_CONTEXT_GAP)
+    near = tuple(m for m in found if context_gap(m) <= max_gap)
+    prefill = tuple((m, _far(m, max_gap)) for m in found if context_gap(m) > max_gap)
     return Plan(near, prefill, policy == "auto" and blend and bool(near))
 
 
-def _far(span: SpanMatch) -> str:
+def _far(span: SpanMatch, max_gap: int) -> str:
     return (f"read {span.start} tokens into its source and {span.offset} here: at least {context_gap(span)} tokens "
-            f"of the context it attends to differ (more than {MAX_CONTEXT_GAP}), so it was prefilled")
+            f"of the context it attends to differ (more than {max_gap}), so it was prefilled")
 
 
 def blend_decision(deviation: torch.Tensor, offset: int, ratio: float, threshold: float,
