@@ -499,7 +499,8 @@ def _family(rec: Record) -> tuple[str, list[Target]]:
 HEADLINES: dict[str, Callable[[Record], tuple[str, list[Target]]]] = {
     "ttft": _ttft, "scaling": _scaling, "transfer": _transfer, "branching": _branching, "serve": _serve,
     "engine": _engine, "adapter_overhead": _adapter_overhead, "workflow": _workflow, "correction": _correction,
-    "agents": _agents, "soak": _soak, "gpu": _gpu, "host": _host, "concurrency": _concurrency, "family": _family,
+    "agents": _agents, "soak": _soak, "gpu": _gpu, "host": _host, "concurrency": _concurrency, "concurrency_tiny": _concurrency,
+    "family": _family,
 }
 
 

@@ -55,6 +55,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "engine": ("kvbaton.bench.engine", "table"),
     "host": ("kvbaton.bench.host", "table"),
     "concurrency": ("kvbaton.bench.concurrency", "table"),
+    "concurrency_tiny": ("kvbaton.bench.concurrency", "table"),
     "adapter_overhead": ("kvbaton.bench.adapter_overhead", "table"),
     "soak": ("kvbaton.bench.soak", "table"),
     "gpu": ("kvbaton.bench.gpu", "table"),
