@@ -14,20 +14,13 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from kvbaton.handle import common_prefix_length
+
 MIN_TF_TURNS = 60
 """Teacher-forced turns a first-token agreement claim needs (the default 3 passes x 21 turns give 63)."""
 KL_NOTE = ("KL(dense || approximate) of the next-token distribution after each approximated turn's prompt and "
            "answer, from `fidelity(handle, max_tokens=1)` (a dense prefill of the same tokens), on the first "
            "teacher-forced pass only (a dense reference per turn costs a full prefill); the time is not counted")
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def compare(run: dict[str, Any], reference: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
@@ -41,7 +34,7 @@ def compare(run: dict[str, Any], reference: dict[str, Any], max_tokens: int) -> 
                 continue
             out.append({"workload": name, "index": mine["index"], "agent": mine["agent"],
                         "first_token": mine["token_ids"][:1] == ref["token_ids"][:1],
-                        "prefix": common_prefix(mine["token_ids"], ref["token_ids"]) / max_tokens,
+                        "prefix": common_prefix_length(mine["token_ids"], ref["token_ids"]) / max_tokens,
                         "same_text": mine["text"] == ref["text"], "approximated": mine["reused_approx"] > 0})
     return out
 

@@ -17,6 +17,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from kvbaton.handle import common_prefix_length
+
 SPLITS = ("tune", "report", "all")
 # Issue 46's targets (held-out part of the family, fp32).
 TARGET_CONTEXT_SHARE = 0.80  # of the shared-context tokens reused ...
@@ -56,15 +58,6 @@ def _mean(values: Iterable[float]) -> float | None:
     return statistics.fmean(found) if found else None
 
 
-def _prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def compare(run: Mapping[str, Any], reference: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Turn by turn against the reference run: every turn after the first whose prompt the reference's is."""
     out = []
@@ -73,7 +66,7 @@ def compare(run: Mapping[str, Any], reference: Mapping[str, Any]) -> list[dict[s
             continue
         n = max(len(ref["token_ids"]), 1)
         out.append({"index": mine["index"], "first_token": mine["token_ids"][:1] == ref["token_ids"][:1],
-                    "prefix": _prefix(mine["token_ids"], ref["token_ids"]) / n,
+                    "prefix": common_prefix_length(mine["token_ids"], ref["token_ids"]) / n,
                     "same_text": mine["token_ids"] == ref["token_ids"], "approximated": mine["reused_approx"] > 0,
                     "kl": mine.get("kl")})
     return out

@@ -56,6 +56,15 @@ def logits_of(row: int, vocab: int = VOCAB) -> torch.Tensor:
     return torch.randn(vocab, generator=torch.Generator().manual_seed(row))
 
 
+def greedy(tokens: Sequence[int], n: int) -> list[int]:
+    """What greedy decoding of ``n`` tokens after ``tokens`` gives, from a dense pass."""
+    row, out = chain(tokens)[-1], []
+    for _ in range(n):
+        out.append(int(torch.argmax(logits_of(row))))
+        row = chain(out[-1:], row)[0]
+    return out
+
+
 class FakeRunner:
     """:class:`~kvbaton.backend.compute.runner.ModelRunner` without weights (see the module).
 

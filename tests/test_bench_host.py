@@ -24,6 +24,6 @@ def test_the_concurrency_benchmark_runs_kvbaton_alone_without_a_vllm_interpreter
 
     concurrency.main(["--agents", "1", "3", "--tokens", "3", "--repeats", "1", "--tiny",
                       "--results-dir", str(tmp_path), "--run-id", "cc-smoke"])
-    record = json.loads((tmp_path / "cc-smoke" / "concurrency.json").read_text())
+    record = json.loads((tmp_path / "cc-smoke" / "concurrency_tiny.json").read_text())
     assert [r["agents"] for r in record["rows"]] == [1, 3] and record["peer"] is None
     assert all(r["kvbaton_tokens_per_s"] > 0 for r in record["rows"])

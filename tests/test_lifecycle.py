@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from fakes import chain, logits_of, stack
+from fakes import chain, greedy, stack
 from kvbaton import SamplingParams
 from kvbaton.backend.reuse.place import recompute_at
 from kvbaton.backend.reuse.plan import Compute, Deviation, Filled
@@ -19,20 +19,11 @@ pytestmark = pytest.mark.unit
 PROMPT = list(range(300, 340))  # 40 tokens
 
 
-def _greedy(tokens, n):
-    """What greedy decoding after ``tokens`` gives, from a dense pass."""
-    row, out = chain(tokens)[-1], []
-    for _ in range(n):
-        out.append(int(torch.argmax(logits_of(row))))
-        row = chain(out[-1:], row)[0]
-    return out
-
-
 def test_the_decode_loop_generates_what_a_dense_pass_does_and_registers_the_handle():
     with stack() as s:
         state = s.state(PROMPT)
         result = s.lifecycle.stream(state, SamplingParams(max_tokens=6, ignore_eos=True)).until_done()
-        assert result.token_ids == _greedy(PROMPT, 6) and result.finish_reason == "length"
+        assert result.token_ids == greedy(PROMPT, 6) and result.finish_reason == "length"
         assert result.text == "".join(f"<{t}>" for t in result.token_ids)
         assert result.handle.num_tokens == 46 and result.handle.id in s.handles
         assert s.runner.batches == [[40]] + [[1]] * 5  # the prompt, then the five tokens before the last
@@ -100,7 +91,7 @@ def test_a_generation_is_cut_back_to_its_stop_string():
     """The scheduler may compute tokens past a stop string before the consumer sees it: they are cut off, the
     handle holds exactly the accepted tokens (the last pending), and a continuation from it is what a dense
     pass gives."""
-    want = _greedy(PROMPT, 40)
+    want = greedy(PROMPT, 40)
     with stack() as s:
         state = s.state(PROMPT)
         stop = f"<{want[2]}>"
@@ -110,13 +101,13 @@ def test_a_generation_is_cut_back_to_its_stop_string():
         assert state.token_ids == PROMPT + accepted and state.num_cached == len(PROMPT) + len(accepted) - 1
         follow = s.state([7], parent=state)
         more = s.lifecycle.stream(follow, SamplingParams(max_tokens=3, ignore_eos=True)).until_done()
-        assert more.token_ids == _greedy(PROMPT + accepted + [7], 3)
+        assert more.token_ids == greedy(PROMPT + accepted + [7], 3)
 
 
 def test_a_generation_runs_at_most_AHEAD_tokens_ahead_of_a_consumer_that_does_not_read():
     from kvbaton.backend.runtime.scheduler import AHEAD
 
-    want = _greedy(PROMPT, AHEAD + 10)
+    want = greedy(PROMPT, AHEAD + 10)
     with stack(blocks=128) as s:
         state = s.state(PROMPT)
         stream = iter(s.lifecycle.stream(state, SamplingParams(max_tokens=AHEAD + 10, ignore_eos=True)))

@@ -12,21 +12,12 @@ import time
 
 import pytest
 import torch
-from fakes import FakeRunner, chain, logits_of, stack
+from fakes import FakeRunner, greedy, stack
 from kvbaton import PoolExhausted, SamplingParams
 
 pytestmark = pytest.mark.unit
 
 DEADLINE_S = 30.0  # generous: what a test waits for is named where it waits
-
-
-def _greedy(tokens, n):
-    """What greedy decoding after ``tokens`` gives, from a dense pass."""
-    row, out = chain(tokens)[-1], []
-    for _ in range(n):
-        out.append(int(torch.argmax(logits_of(row))))
-        row = chain(out[-1:], row)[0]
-    return out
 
 
 def _until(condition, what):
@@ -90,7 +81,7 @@ def test_generations_waiting_together_share_every_decode_forward():
         _until(lambda: s.scheduler.queued == 4, "the four requests to queue behind the gated forward")
         gate.open.set()
         _join(first + threads)
-        assert [results[i].token_ids for i in range(4)] == [_greedy(p, 6) for p in prompts]
+        assert [results[i].token_ids for i in range(4)] == [greedy(p, 6) for p in prompts]
         # their prompts in one forward, then five decode steps of four rows each
         assert s.runner.batches[1:] == [[20, 20, 20, 20]] + [[1, 1, 1, 1]] * 5
 
@@ -117,7 +108,7 @@ def test_a_long_prompt_gets_its_first_token_while_generations_run_and_they_keep_
         alive = [t.is_alive() for t in consumers]
         stop.set()
         _join(consumers)
-        assert result.token_ids == _greedy(long_prompt, 1)
+        assert result.token_ids == greedy(long_prompt, 1)
         assert all(alive)  # none of the generations had finished: the prompt did not wait for them
         pieces = [n for b in during for n in b if n > 1]
         assert sum(pieces) == 200 and max(pieces) <= 16  # beside decode rows, one prefill chunk a step
@@ -144,8 +135,8 @@ def test_sampled_and_early_stop_banning_requests_step_in_the_same_forwards_as_pl
         _until(lambda: s.scheduler.queued == 3, "the three requests to queue")
         gate.open.set()
         _join(first + threads)
-        assert results[0].token_ids == _greedy(list(range(20)), 5)
-        assert len(results[1].token_ids) == 5 and results[2].token_ids == _greedy(list(range(60, 80)), 5)
+        assert results[0].token_ids == greedy(list(range(20)), 5)
+        assert len(results[1].token_ids) == 5 and results[2].token_ids == greedy(list(range(60, 80)), 5)
         assert s.runner.batches[1:] == [[20, 20, 20]] + [[1, 1, 1]] * 4
 
 
@@ -169,7 +160,7 @@ def test_a_short_pool_preempts_the_newest_generation_which_later_goes_on_exactly
         _until(lambda: s.scheduler.queued == 2, "both requests to queue")
         gate.open.set()
         _join(first + threads)
-        assert [results[i].token_ids for i in range(2)] == [_greedy(p, 30) for p in prompts]
+        assert [results[i].token_ids for i in range(2)] == [greedy(p, 30) for p in prompts]
         assert s.scheduler.preemptions >= 1
 
 
@@ -185,7 +176,7 @@ def test_one_tenant_cannot_hold_the_pool_against_another():
         other = s.state(list(range(900, 920)))
         other.tenant = "b"
         result = s.lifecycle.stream(other, SamplingParams(max_tokens=4, ignore_eos=True)).until_done()
-        assert result.token_ids == _greedy(list(range(900, 920)), 4)
+        assert result.token_ids == greedy(list(range(900, 920)), 4)
         for stream in hog:
             stream.close()
 
@@ -243,7 +234,7 @@ def test_an_error_reaches_every_request_of_its_forward_and_the_loop_lives_on():
         _join(first + threads)
         failed = [r for r in (first_result[0], results[0], results[1]) if isinstance(r, RuntimeError)]
         assert failed and all("device lost" in str(e) for e in failed)
-        assert _generate(s, list(range(30, 40)), 2)().token_ids == _greedy(list(range(30, 40)), 2)
+        assert _generate(s, list(range(30, 40)), 2)().token_ids == greedy(list(range(30, 40)), 2)
         assert s.pool.num_used == len(s.cache.cached_blocks() | {b for h in s.handles.states() for b in h.blocks})
 
 
@@ -257,7 +248,7 @@ def test_background_work_waits_until_no_request_waits_or_runs():
         assert not done.is_set() and s.scheduler.background_forwards == 0  # the generation still runs
         stream.close()
         _join(threads)
-        assert results[0][0] == _greedy(list(range(200, 240)), 1)[0]
+        assert results[0][0] == greedy(list(range(200, 240)), 1)[0]
         assert s.scheduler.background_forwards >= 1
 
 

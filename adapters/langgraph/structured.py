@@ -15,21 +15,19 @@ to parse — both raise ``OutputParserException`` (with ``include_raw``, in ``pa
 from __future__ import annotations
 
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from langchain_core.language_models import BaseChatModel
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-if TYPE_CHECKING:
-    from .chat_model import KvbatonChatModel
-
 METHODS = ("function_calling", "json_schema", "json_mode")
 
 
-def structured_output(model: KvbatonChatModel, schema: Any, *, include_raw: bool, method: str,
+def structured_output(model: BaseChatModel, schema: Any, *, include_raw: bool, method: str,
                       **kwargs: Any) -> Runnable[Any, Any]:
     """The runnable of ``model.with_structured_output(schema, method=...)`` (module docstring)."""
     if kwargs:

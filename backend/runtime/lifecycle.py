@@ -118,7 +118,8 @@ class Lifecycle:
         stall the loop), ``program`` computing its prompt (default: every uncached token)."""
         try:
             params = generation.get("params")
-            self._kv.check_fits(state.num_tokens + (params.max_tokens if params is not None else 0))
+            # the last sampled token is never fed back, so its K/V is never written
+            self._kv.check_fits(state.num_tokens + (max(params.max_tokens - 1, 0) if params is not None else 0))
             if attach:
                 self._kv.attach(state, loads)
             request = Request(state=state, program=program or compute_all(state), background=background,

@@ -12,7 +12,6 @@ Every wait is bounded: a consumer polls its queue and gives up when the schedule
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
@@ -121,7 +120,3 @@ class GenerationOutput:
     def abandon(self) -> bool:
         """The consumer leaves early: True when the scheduler drops the state, False when it is the caller's."""
         return self.scheduler.abort(self.request)
-
-
-def elapsed(request: Request) -> float:
-    return time.perf_counter() - request.t_submitted

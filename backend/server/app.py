@@ -46,7 +46,7 @@ from .listener import bind, bound_port, http_server
 from .metrics import CONTENT_TYPE
 from .middleware import AuthMiddleware, BodyLimitMiddleware, ErrorMiddleware, MetricsMiddleware
 from .native import add_native_routes
-from .openai import add_openai_routes
+from .openai_routes import add_openai_routes
 from .state import ServerState
 from .tenancy import request_tenant, tenant_map
 
