@@ -7,8 +7,8 @@ SIGKILLed, its compiler too, once it compiles (cpp_extension's ``lock`` file sho
 (``KVBATON_KERNELS_BUILD_TIMEOUT``) and answer: the kernels rebuilt (the killed build's lock found
 stale and removed, :mod:`kvbaton.backend.compute.cpu.kernels`) or, past the deadline, on oneDNN;
 never a start that hangs on the lock. With ``--quick`` it is the same phase: the kill comes seconds
-into the build, and the start's build (about 40 s on 2 cores) is what it takes; a copy of a built
-kernel directory would not save it (ninja rebuilds: its paths changed).
+into the build, and the start's build (about 40 s on 2 cores) is what it takes (the killed build left
+no library to load).
 
 The row (:func:`row`): how the build was stopped, how long it ran, the start's time to healthy and
 to its first answer, the outcome, and what is left after ``release_all`` (handles, blocks).

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -185,13 +186,17 @@ def _compile(directory: Path, key: str, text: str, cpp_extension: ModuleType) ->
         partial = directory / f".{SOURCE}.{os.getpid()}"
         partial.write_text(text)
         os.replace(partial, source)
+    name = f"kvbaton_decode_{key}"
+    built = _import_built(directory, name)
+    if built is not None:
+        return built
     cached = any(directory.glob("*.so"))
     if not cached:  # a warning, so that a user with default logging sees why this start takes a while
         log.warning("building kvbaton decode kernels (one time for this CPU and torch install, ~40 s) in %s",
                     directory)
     start = time.perf_counter()
     module = cpp_extension.load(
-        name=f"kvbaton_decode_{key}",
+        name=name,
         sources=[str(source)],
         extra_cflags=_cflags(),
         extra_ldflags=_openmp(),
@@ -203,6 +208,26 @@ def _compile(directory: Path, key: str, text: str, cpp_extension: ModuleType) ->
         log.info("kvbaton decode kernels loaded in %.1f s", elapsed)
     else:
         log.warning("kvbaton decode kernels built in %.1f s", elapsed)
+    return module
+
+
+def _import_built(directory: Path, name: str) -> ModuleType | None:
+    """The module a finished build left in ``directory``, imported as it is, or None. The directory's key
+    names the source, compiler, flags and torch, so its library is this source's: no ninja run (whose
+    build file names the directory, so a moved or copied cache would rebuild). A library a killed link
+    left half-written fails to import, and the build runs."""
+    path = directory / f"{name}.so"
+    if not path.exists():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError, AssertionError) as exc:
+        log.warning("the built kernels in %s do not load (%s): building them again", directory, exc)
+        return None
+    log.info("kvbaton decode kernels loaded from %s", path)
     return module
 
 
