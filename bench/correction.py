@@ -15,7 +15,7 @@ B, C and D are the reusing agents. For every method the same trajectory runs in 
 
 Before the measured trajectories of each length, ``--warmup`` trajectories run only the anchor
 methods, so their pools hold anchors as they would in a long-running workflow (the first
-``min_anchors`` segments of every slot and edge are always prefilled densely). Reported per method and
+``min_anchors`` segments of every slot and source are always prefilled densely). Reported per method and
 shared-context length: TTFT of the reusing agents (the composition, including
 any reference prefill, correction and dense fallback, up to the first token's logits), first-token
 agreement, greedy agreement over 32 tokens and mean KL against the dense method's handle of the same
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-distance", type=float, help="gate: max relative distance of the nearest anchor")
     parser.add_argument("--min-anchors", type=int, help="gate: anchors needed before correcting")
     parser.add_argument("--rank", type=int, help="rank of the low-rank anchors")
-    parser.add_argument("--pool-size", type=int, help="anchors kept per slot and edge")
+    parser.add_argument("--pool-size", type=int, help="anchors kept per slot and source")
     parser.add_argument("--min-margin", type=float,
                         help="confidence gate: next-token top-2 logit margin below which compose recomputes densely")
     parser.add_argument("--methods", nargs="+", default=(), choices=list(METHODS),

@@ -134,7 +134,7 @@ def test_dense_segment_behind_an_approximate_one_is_not_reported_exact(engine, d
     assert corrected.outcome == "corrected" and not corrected.exact
     # Recomputed densely, but behind approximate K/V: reported approximate, and never made an anchor.
     assert dense.outcome == "recomputed" and not dense.exact and not mixed.exact
-    assert pool.anchors(("fresh", None, None)) == 0
+    assert pool.anchors(("fresh", None)) == 0
 
 
 def test_merge_of_an_approximate_handle_reports_its_parts_honestly(engine, doc):

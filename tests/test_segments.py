@@ -103,6 +103,22 @@ def test_gate_falls_back_to_dense_until_two_anchors_then_corrects(engine):
     assert engine.anchor_pool(cfg).num_anchors == 2  # accepted corrections are not added back
 
 
+def test_a_new_reader_uses_the_anchors_earlier_readers_of_the_slot_made(engine):
+    # Anchors belong to what is read (the slot, from whom), not to a source->target pair: two reviewers'
+    # dense fallbacks warm the pool, and a critic reading the slot for the first time is corrected.
+    cfg = {"min_anchors": 2, "max_distance": 100.0, "min_margin": 0.0}
+    sys_a, sys_b = system(engine, SYSTEM_A), system(engine, SYSTEM_B)
+    outcomes = []
+    for seed, reader in enumerate(("reviewer", "auditor", "critic")):
+        doc = shared_doc(engine, 20 + seed, 64)
+        a = engine.materialize(sys_a + doc, agent="planner")
+        out = engine.compose(sys_b, [a.segment(len(sys_a), len(sys_a) + len(doc), slot="notes")], QUESTION,
+                             agent=reader, correction=cfg)
+        engine.anchor_pool(cfg).flush()
+        outcomes.append((reader, out.segments[0].outcome, out.segments[0].anchors))
+    assert outcomes == [("reviewer", "recomputed", 0), ("auditor", "recomputed", 1), ("critic", "corrected", 2)]
+
+
 def test_confidence_gate_recomputes_a_correction_whose_next_token_is_unsure(engine, reference):
     kept = _compose_three(engine, {"min_anchors": 2, "max_distance": 100.0, "min_margin": 0.0})[2]
     assert kept.segments[0].outcome == "corrected" and kept.margin is not None and kept.margin > 0

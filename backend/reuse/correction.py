@@ -7,7 +7,8 @@ segment prefilled on its own), the K/V behind B's prefix is estimated as
 
     reference + sum_i w_i * delta_i,   w = softmax(-(d_i / min_j d_j - 1) / temperature)
 
-where each anchor i is an earlier segment of the same slot and edge with its reference and the
+where each anchor i is an earlier segment of the same key (chained: the slot and the agent it was read
+from, shared by every reader; non-chained: the slot and its reader) with its reference and the
 observed ``delta_i = dense - reference``, and ``d_i`` is the distance between the new reference and
 anchor i's. Layer 0 gets no delta: its K/V depend only on the token and its position.
 
@@ -167,7 +168,7 @@ class Estimate:
 
 @dataclass
 class AnchorPool:
-    """Bounded anchor pools, one per key (slot, edge)."""
+    """Bounded anchor pools, one per key (chained: slot and source agent; non-chained: slot and reader)."""
 
     config: CorrectionConfig = field(default_factory=CorrectionConfig)
     _pools: dict[Hashable, list[Anchor]] = field(default_factory=dict)
@@ -182,7 +183,7 @@ class AnchorPool:
         with self._lock:
             anchors = list(self._pools.get(key, ()))
         if len(anchors) < cfg.min_anchors:
-            return Estimate(None, 0, len(anchors), None, f"{len(anchors)} anchor(s) for this slot and edge, "
+            return Estimate(None, 0, len(anchors), None, f"{len(anchors)} anchor(s) for this slot and source, "
                             f"{cfg.min_anchors} needed")
         n = reference.shape[1]
         dist = torch.tensor([_distance(reference, a) for a in anchors], dtype=torch.float64)

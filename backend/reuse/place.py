@@ -368,7 +368,9 @@ class Placer:
             return report("blended", _blended(len(picked), available), available - len(picked))
         k, v = kv.read_rows(src, start, available)
         if cfg.chained:  # KVCMAS: the source agent's own cache is the reference
-            ref_k, ref_v, ref_start, key = k, v, start, (slot, src.agent, state.agent)
+            # anchors of what was read (the slot, from whom), shared by every agent that reads it: a new
+            # reader starts with what earlier readers' dense fallbacks measured, not with none
+            ref_k, ref_v, ref_start, key = k, v, start, (slot, src.agent)
         else:  # context-free reference: the segment prefilled on its own
             ref_k, ref_v = yield Alone(tuple(src.token_ids[start : start + available]))
             ref_start, key = 0, (slot, state.agent)
