@@ -36,7 +36,18 @@ from kvbaton.errors import InvalidRequest
 from kvbaton.handle import Handle, HandleLike, LineageStep, Op, Placement, Positions, Segment
 from kvbaton.ops import Messages, check_reuse, ste_map
 from kvbaton.stream import TokenStream
-from kvbaton.types import AgentInfo, Composition, Events, Fidelity, Result, Reuse, SamplingParams, Stats
+from kvbaton.types import (
+    MAX_TOP_LOGPROBS,
+    AgentInfo,
+    Composition,
+    Events,
+    Fidelity,
+    PromptTokenLogprob,
+    Result,
+    Reuse,
+    SamplingParams,
+    Stats,
+)
 
 from .cache.block_pool import BlockPool, PoolShape, blocks_for_budget
 from .cache.kv_manager import KVManager, prefix_cache_for
@@ -60,6 +71,7 @@ from .reuse.place import AutoReuse, Placer
 from .reuse.rotary import RopeShifter
 from .reuse.spans import SpanIndex
 from .runtime.lifecycle import Lifecycle
+from .runtime.sampler import token_logprob, token_text
 from .runtime.scheduler import Scheduler
 from .stats import engine_stats
 from .tenants import SHARED, Agent, AgentRef, TenantPartition, check_agent_of
@@ -410,6 +422,27 @@ class Engine(ConfiguredEngine):
     def anchor_pool(self, correction: CorrectionConfig | Mapping[str, Any] | None = None) -> AnchorPool:
         """The anchor pools used with ``correction`` settings (the engine's own by default)."""
         return self.placer.anchor_pool(correction)
+
+    def prompt_logprobs(self, prompt: Context, top_logprobs: int = 0) -> list[PromptTokenLogprob]:
+        """Each token of ``prompt`` with its log probability after the tokens before it (the first: None)
+        and the ``top_logprobs`` most likely tokens there (the model's distribution at temperature 1): the
+        scoring of lm-eval-style harnesses (``echo`` with ``logprobs`` on ``/v1/completions``). Computed by
+        a dense prefill of the prompt alone; nothing is kept."""
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}",
+                                 param="top_logprobs")
+        tokens, logits = self.composer.prompt_logits(prompt)
+        vocab = self.requests.constraints.token_bytes
+        first = vocab(tokens[0])
+        out = [PromptTokenLogprob(token_id=tokens[0], token=token_text(first), logprob=None, bytes=list(first))]
+        for row, token in zip(logits, tokens[1:], strict=True):
+            logp = torch.log_softmax(row.float(), dim=-1)
+            values, ids = torch.topk(logp, top_logprobs) if top_logprobs else (logp[:0], logp[:0].long())
+            entry = token_logprob((token, float(logp[token]), list(zip(ids.tolist(), values.tolist(), strict=True))),
+                                  vocab)
+            out.append(PromptTokenLogprob(token_id=entry.token_id, token=entry.token, logprob=entry.logprob,
+                                          bytes=entry.bytes, top_logprobs=entry.top_logprobs))
+        return out
 
     def next_token_logits(self, handle: HandleLike, suffix: Context = "") -> torch.Tensor:
         """fp32 next-token logits after ``handle`` + ``suffix``, computed on the reuse path.

@@ -168,6 +168,13 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
+class PromptTokenLogprob(TokenLogprob):
+    """A prompt token's log probability after the tokens before it, and the most likely tokens there
+    (``Engine.prompt_logprobs``: the scoring of lm-eval-style harnesses). The first token has none."""
+
+    logprob: float | None = Field(description="None for the prompt's first token: nothing precedes it.")
+
+
 class Result(BaseModel):
     """The outcome of ``resume`` / ``generate``."""
 

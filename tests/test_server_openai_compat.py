@@ -160,8 +160,27 @@ def test_echo_puts_the_prompt_before_each_choice_whole_and_streamed(oa):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
     ids = oa.completions.create(model=MODEL, prompt=[504, 3575], max_tokens=1, echo=True)  # token ids: their text
     assert len(ids.choices[0].text) > 1
-    with pytest.raises(openai.BadRequestError) as err:  # the prompt's log probabilities are not computed here
-        oa.completions.create(model=MODEL, prompt="Hi", max_tokens=1, echo=True, logprobs=1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_generation_scored_its_tokens(oa):
+    """lm-eval's log-likelihood request: the prompt echoed with each token's log probability (the first
+    null), which for a greedy continuation are the log probabilities its generation reported."""
+    prompt = "The capital of France is"
+    gen = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=2)
+    scored = oa.completions.create(model=MODEL, prompt=prompt + gen.choices[0].text, max_tokens=1, echo=True,
+                                   logprobs=2)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text.startswith(prompt + gen.choices[0].text)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    continuation = gen.choices[0].logprobs
+    k = len(continuation.tokens)
+    at = len(lp.tokens) - 1 - k  # the scored prompt ends with the continuation, then comes one generated token
+    assert lp.tokens[at : at + k] == continuation.tokens
+    assert lp.token_logprobs[at : at + k] == pytest.approx(continuation.token_logprobs, abs=1e-3)
+    assert all(len(top) == 2 and max(top.values()) <= 0 for top in lp.top_logprobs[1:])
+    assert "".join(lp.tokens[: len(lp.tokens) - 1]) == prompt + gen.choices[0].text  # then the generated token
+    with pytest.raises(openai.BadRequestError) as err:  # scoring is answered whole
+        oa.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, stream=True)
     assert err.value.param == "echo"
 
 

@@ -107,6 +107,25 @@ def test_logprobs_are_the_models_own_and_stream_with_their_tokens(engine):
     assert constrained.logprobs[0].top_logprobs[0].token_id != constrained.token_ids[0]
 
 
+def test_a_prompts_log_probabilities_are_the_dense_models_own(engine, reference):
+    """``Engine.prompt_logprobs`` (echo + logprobs scoring): every token after the first with its log
+    probability under transformers' own forward of the prompt, and the most likely tokens there."""
+    import torch
+
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    scored = engine.prompt_logprobs(prompt, top_logprobs=2)
+    tokens = engine.tokenize(prompt)
+    assert [e.token_id for e in scored] == tokens and scored[0].logprob is None and scored[0].top_logprobs == []
+    with torch.no_grad():
+        dense = torch.log_softmax(reference(torch.tensor([tokens])).logits[0, :-1].float(), dim=-1)
+    assert [e.logprob for e in scored[1:]] == pytest.approx([float(dense[i, t]) for i, t in enumerate(tokens[1:])],
+                                                            abs=1e-3)
+    assert [e.top_logprobs[0].token_id for e in scored[1:]] == dense.argmax(-1).tolist()
+    assert engine.stats().handles_live == 0  # nothing kept
+    with pytest.raises(InvalidRequest, match="at most 2048 tokens"):
+        engine.prompt_logprobs([5] * 2049)
+
+
 def test_a_required_tool_call_is_a_valid_call(engine):
     client = Client(engine)
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]

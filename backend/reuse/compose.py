@@ -42,6 +42,10 @@ MODES = ("auto", "blend", "rotate", "dense")
 _REFERENCES = 16  # remembered dense continuations of reference handles
 
 
+MAX_SCORED_TOKENS = 2048
+"""The longest prompt whose tokens' log probabilities are computed (``Engine.prompt_logprobs``)."""
+
+
 class Requests(Protocol):
     """The request runtime a composition runs with (:class:`~..runtime.lifecycle.Lifecycle`): running a
     prompt program (its handle registered, or the state left to the caller), publishing and releasing states,
@@ -297,6 +301,25 @@ class Composer:
             state.num_cached = min(state.num_cached, last)
         try:
             return self._life.logits_after_each(state)[-(len(tokens) + 1) :]
+        finally:
+            self._kv.drop(state)
+
+    def prompt_logits(self, prompt: Context) -> tuple[list[int], torch.Tensor]:
+        """A prompt's tokens and the logits after each of them but the last, ``[n - 1, vocab]`` (what the
+        model predicted for tokens 1..n-1), from a fresh dense prefill that neither reads nor feeds the
+        prefix cache; nothing is kept. At most :data:`MAX_SCORED_TOKENS` tokens: every row is a vocabulary
+        of fp32 logits."""
+        tokens = self._inputs.tokens(prompt, what="prompt")
+        if len(tokens) > MAX_SCORED_TOKENS:
+            raise InvalidRequest(f"the prompt's log probabilities are computed for at most {MAX_SCORED_TOKENS} "
+                                 f"tokens (each is a row of logits over the vocabulary); this prompt has "
+                                 f"{len(tokens)}", param="prompt")
+        with self._lock:
+            self._inputs.check_context(len(tokens))
+            state = self._kv.share(None, 0, tokens, LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)))
+            state.cacheable = False
+        try:
+            return tokens, self._life.logits_after_each(state)[:-1]
         finally:
             self._kv.drop(state)
 

@@ -467,8 +467,11 @@ class CompletionServing(OpenAIServing):
         plan = super().plan(body, request)
         if body.echo:
             if body.logprobs is not None:
-                raise InvalidRequest("Unsupported value for 'echo': not with 'logprobs': this server does not compute "
-                                     "the prompt's log probabilities (echo alone is served).", param="echo")
+                if body.stream:
+                    raise InvalidRequest("Unsupported value for 'echo': with 'logprobs' (the prompt's log "
+                                         "probabilities) the answer is served whole: set 'stream' to false.",
+                                         param="echo")
+                plan.echo_top = body.logprobs
             plan.echo = []  # the prompts' texts, filled in a worker thread (token ids are detokenized)
         return plan
 
@@ -476,6 +479,8 @@ class CompletionServing(OpenAIServing):
         engine = self.state.engine
         if plan.echo == []:
             plan.echo = [p if isinstance(p, str) else engine.detokenize(p) for p in plan.prompts]
+        if plan.echo_top is not None and plan.echo_logprobs is None:  # lm-eval-style scoring
+            plan.echo_logprobs = [engine.prompt_logprobs(p, plan.echo_top) for p in plan.prompts]
         return open_primed(functools.partial(engine.complete_stream, plan.prompt_of(c), params,
                                              agent=plan.engine_agent, reuse=plan.policy)
                            for c, params in enumerate(plan.params))
@@ -493,6 +498,9 @@ class CompletionServing(OpenAIServing):
 
     def whole_choice(self, plan: Plan, index: int, result: Result) -> dict[str, Any]:
         part, finish = self.message(self.echoed(plan, index) + result.text), result.finish_reason
+        if plan.echo_logprobs is not None:  # the prompt's tokens first, offsets from the echoed text's start
+            entries = [*plan.echo_logprobs[index // plan.n], *(result.logprobs or [])]
+            return {**self.choice(index, part, finish), "logprobs": self.logprobs(entries)}
         offset = len(self.echoed(plan, index))
         return {**self.choice(index, part, finish), "logprobs": self.logprobs(result.logprobs, offset)}
 
@@ -504,8 +512,9 @@ class CompletionServing(OpenAIServing):
     def opening(self, plan: Plan, index: int) -> dict[str, Any] | None:
         return {"text": self.echoed(plan, index)} if plan.echo else None
 
-    def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
-        """The legacy shape: tokens, their logprobs, the alternatives by token, each token's text offset."""
+    def logprobs(self, entries: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+        """The legacy shape: tokens, their logprobs, the alternatives by token, each token's text offset
+        (an echoed prompt's first token: null logprob and alternatives, as OpenAI answers)."""
         if entries is None:
             return None
         offsets, held = [], b""  # a token may end inside a character: its text starts where the character does
@@ -516,7 +525,8 @@ class CompletionServing(OpenAIServing):
             if text:
                 offset, held = offset + len(text), held[len(text.encode()):]
         return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+                "top_logprobs": [None if e.logprob is None else {t.token: t.logprob for t in e.top_logprobs}
+                                 for e in entries],
                 "text_offset": offsets}
 
     def delta(self, text: str | None) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvbaton.errors import InvalidRequest
 from kvbaton.tools import required_tools, tool_call_format, tool_names
-from kvbaton.types import Reuse, SamplingParams
+from kvbaton.types import PromptTokenLogprob, Reuse, SamplingParams
 
 from ..tenants import AgentRef
 from . import protocol as p
@@ -43,6 +43,8 @@ class Plan:
     forced: str | None = None  # the one tool the answer must call, when tool_choice names it
     required: bool = False  # tool_choice requires a call: every choice is constrained to exactly one
     echo: list[str] | None = None  # completions with echo: each prompt's text, that its choices start with
+    echo_top: int | None = None  # completions with echo and logprobs: the alternatives per prompt token
+    echo_logprobs: list[list[PromptTokenLogprob]] | None = None  # ... and each prompt's tokens' log probabilities
 
     @property
     def parses_tools(self) -> bool:

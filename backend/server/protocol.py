@@ -406,8 +406,8 @@ class ChatCompletionChunk(_Answer):
 
 class LegacyLogprobs(_Answer):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token.")
+    top_logprobs: list[dict[str, float] | None] = Field(description="null for an echoed prompt's first token.")
     text_offset: list[int]
 
 
