@@ -166,7 +166,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_generation_scored_its_tokens(oa
     """lm-eval's log-likelihood request: the prompt echoed with each token's log probability (the first
     null), which for a greedy continuation are the log probabilities its generation reported."""
     prompt = "The capital of France is"
-    gen = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=2)
+    gen = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logprobs=2)  # " Paris." (text that
+    # tokenizes back to the same tokens: "\n" + "\n" generated would be scored as one "\n\n")
     scored = oa.completions.create(model=MODEL, prompt=prompt + gen.choices[0].text, max_tokens=1, echo=True,
                                    logprobs=2)
     lp = scored.choices[0].logprobs
