@@ -37,15 +37,7 @@ from kvbaton.handle import Handle, HandleLike, LineageStep, Op, Placement, Posit
 from kvbaton.ops import Messages, check_reuse, ste_map
 from kvbaton.stream import TokenStream
 from kvbaton.types import (
-    MAX_TOP_LOGPROBS,
-    AgentInfo,
-    Composition,
-    Events,
-    Fidelity,
-    PromptTokenLogprob,
-    Result,
-    Reuse,
-    SamplingParams,
+    MAX_TOP_LOGPROBS, AgentInfo, Composition, Events, Fidelity, PromptTokenLogprob, Result, Reuse, SamplingParams,
     Stats,
 )
 
@@ -71,7 +63,7 @@ from .reuse.place import AutoReuse, Placer
 from .reuse.rotary import RopeShifter
 from .reuse.spans import SpanIndex
 from .runtime.lifecycle import Lifecycle
-from .runtime.sampler import token_logprob, token_text
+from .runtime.sampler import prompt_token_logprobs
 from .runtime.scheduler import Scheduler
 from .stats import engine_stats
 from .tenants import SHARED, Agent, AgentRef, TenantPartition, check_agent_of
@@ -424,25 +416,13 @@ class Engine(ConfiguredEngine):
         return self.placer.anchor_pool(correction)
 
     def prompt_logprobs(self, prompt: Context, top_logprobs: int = 0) -> list[PromptTokenLogprob]:
-        """Each token of ``prompt`` with its log probability after the tokens before it (the first: None)
-        and the ``top_logprobs`` most likely tokens there (the model's distribution at temperature 1): the
-        scoring of lm-eval-style harnesses (``echo`` with ``logprobs`` on ``/v1/completions``). Computed by
-        a dense prefill of the prompt alone; nothing is kept."""
+        """Each token of ``prompt`` with its log probability after those before it (the first: None) and the
+        ``top_logprobs`` likeliest there, at temperature 1: lm-eval's scoring (``echo`` + ``logprobs`` on
+        ``/v1/completions``). A dense prefill of the prompt alone; nothing is kept."""
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}",
-                                 param="top_logprobs")
+            raise InvalidRequest(f"top_logprobs is 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}", param="top_logprobs")
         tokens, logits = self.composer.prompt_logits(prompt)
-        vocab = self.requests.constraints.token_bytes
-        first = vocab(tokens[0])
-        out = [PromptTokenLogprob(token_id=tokens[0], token=token_text(first), logprob=None, bytes=list(first))]
-        for row, token in zip(logits, tokens[1:], strict=True):
-            logp = torch.log_softmax(row.float(), dim=-1)
-            values, ids = torch.topk(logp, top_logprobs) if top_logprobs else (logp[:0], logp[:0].long())
-            entry = token_logprob((token, float(logp[token]), list(zip(ids.tolist(), values.tolist(), strict=True))),
-                                  vocab)
-            out.append(PromptTokenLogprob(token_id=entry.token_id, token=entry.token, logprob=entry.logprob,
-                                          bytes=entry.bytes, top_logprobs=entry.top_logprobs))
-        return out
+        return prompt_token_logprobs(tokens, logits, top_logprobs, self.requests.constraints.token_bytes)
 
     def next_token_logits(self, handle: HandleLike, suffix: Context = "") -> torch.Tensor:
         """fp32 next-token logits after ``handle`` + ``suffix``, computed on the reuse path.

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from kvbaton.types import SamplingParams, TokenLogprob, TopLogprob
+from kvbaton.types import PromptTokenLogprob, SamplingParams, TokenLogprob, TopLogprob
 
 from .request import RawLogprob
 
@@ -45,10 +45,14 @@ def sample_rows(
               for i, r in enumerate(requests)]
     for j, i in enumerate(wanted):
         assert distributions is not None
-        row, top = distributions[j], requests[i].params.top_logprobs  # type: ignore[union-attr]
-        values, ids = torch.topk(row, top) if top else (row[:0], row[:0].long())
-        logprobs[i] = (tokens[i], float(row[tokens[i]]), list(zip(ids.tolist(), values.tolist(), strict=True)))
+        logprobs[i] = raw_logprob(distributions[j], tokens[i], requests[i].params.top_logprobs)  # type: ignore[union-attr]
     return tokens, logprobs
+
+
+def raw_logprob(distribution: torch.Tensor, token: int, top: int) -> RawLogprob:
+    """``token``'s log probability in ``distribution`` (log-softmaxed ``[vocab]``) and the ``top`` most likely."""
+    values, ids = torch.topk(distribution, top) if top else (distribution[:0], distribution[:0].long())
+    return token, float(distribution[token]), list(zip(ids.tolist(), values.tolist(), strict=True))
 
 
 def _batch(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
@@ -116,3 +120,15 @@ def token_logprob(raw: RawLogprob, vocab: Callable[[int], bytes]) -> TokenLogpro
     text = vocab(token)
     return TokenLogprob(token_id=token, token=token_text(text), logprob=logprob, bytes=list(text),
                         top_logprobs=alternatives)
+
+
+def prompt_token_logprobs(tokens: Sequence[int], logits: torch.Tensor, top: int,
+                          vocab: Callable[[int], bytes]) -> list[PromptTokenLogprob]:
+    """Each of ``tokens`` with its log probability under ``logits`` (``[len(tokens) - 1, vocab]``: the logits
+    after each token but the last; the first token has none) and the ``top`` most likely tokens there."""
+    first = vocab(tokens[0])
+    out = [PromptTokenLogprob(token_id=tokens[0], token=token_text(first), logprob=None, bytes=list(first))]
+    for row, token in zip(logits, tokens[1:], strict=True):
+        raw = raw_logprob(torch.log_softmax(row.float(), dim=-1), token, top)
+        out.append(PromptTokenLogprob(**dict(token_logprob(raw, vocab))))
+    return out
