@@ -73,6 +73,13 @@ log = logging.getLogger(__name__)
 MAX_FORK = 1024
 
 
+def _weakly(method: Any) -> Any:
+    """``method`` without a strong reference to its engine: the pieces the engine's finalizers close hold it,
+    and a strong one would keep every engine (and its pool) alive for the life of the process."""
+    ref = weakref.WeakMethod(method)
+    return lambda state: (bound(state) if (bound := ref()) is not None else None)
+
+
 class Engine(ConfiguredEngine):
     """In-process inference engine with a paged, refcounted KV pool. Thread-safe.
 
@@ -91,7 +98,7 @@ class Engine(ConfiguredEngine):
         self.event_ring = EventRing(self.config.event_capacity)  # what requests, evictions and prefetches did
         # Cross-prefix reuse: exact sources indexed by content (spans.py), live handles and what the prefix cache
         # keeps of released ones, in the span partition of the request that made them (None: no cross-prefix reuse).
-        self.spans = SpanIndex(partition_of=self._span_partition, block_size=self.config.block_size)
+        self.spans = SpanIndex(partition_of=_weakly(self._span_partition), block_size=self.config.block_size)
         # What the prefix cache and prefetch tell it; the blocks the cache lets go end the span index's views.
         self._cache_events = CacheEvents(self.event_ring, self._ste, self.spans.cached.dropped)
         self._partition: TenantPartition = SHARED  # one cache partition and one span partition until a server asks
@@ -141,7 +148,7 @@ class Engine(ConfiguredEngine):
         # The live handles are what a reservation may spill when the pool is full (spill.py); a state's
         # prefix-cache partition follows its tenant as the engine's partition says.
         self.kv = KVManager(self.pool, self.cache, self._lock, live=self.handles.states,
-                            partition=self._cache_partition)
+                            partition=_weakly(self._cache_partition))
         self.prefetcher: Prefetcher | None = None
         if self.cache is not None and self.cache.tiers and c.prefetch:
             self.prefetcher = Prefetcher(self.kv, self._ste, self._cache_events)

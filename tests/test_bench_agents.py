@@ -469,12 +469,13 @@ def test_quick_run_of_the_released_map_reduce_served_and_langgraph_shapes(tmp_pa
     """Issue 40's shapes in a smoke run: a debate whose turns release their handles, a map-reduce over one
     document, the debate through ``kvbaton serve`` with the OpenAI client, the map-reduce as a LangGraph app
     (``Send`` fan-out) of ``ChatOpenAI`` nodes wrapped with ``wrap(app)``. (``correct`` runs the same harness
-    as ``auto``; its anchors are specified in test_segments.py.)"""
+    as ``auto``; its anchors are specified in test_segments.py. No teacher-forced pass: it would start a third
+    server, and test_quick_run_writes_a_record_table_and_plot specifies it.)"""
     pytest.importorskip("langchain_openai")
     monkeypatch.delenv(vllm_peer.VLLM_PYTHON_ENV, raising=False)
     shapes = ["debate_released", "mapreduce", "debate_openai", "mapreduce_langgraph"]
     agents.main(["--quick", "--dtypes", "float32", "--only", *shapes, "--variants", "exact", "auto",
-                 "--max-tokens", "2", "--results-dir", str(tmp_path), "--run-id", "shapes"])
+                 "--max-tokens", "2", "--tf-passes", "0", "--results-dir", str(tmp_path), "--run-id", "shapes"])
     rec = json.loads((tmp_path / "shapes" / "agents.json").read_text())
     by = {r["variant"]: r for r in rec["rows"]}
     assert set(by) == {"exact", "auto"} and rec["workloads"] == shapes
@@ -490,5 +491,4 @@ def test_quick_run_of_the_released_map_reduce_served_and_langgraph_shapes(tmp_pa
     # recomputed by the confidence gate, which then says what it threw away)
     released = by["auto"]["run_detail"]["workloads"]["debate_released"]["turns"][1:]
     assert any(t["reused_approx"] or t["discarded"] for t in released)
-    assert by["auto"]["teacher_forced"]["turns"] == by["auto"]["free_running"]["turns"]
-    assert by["auto"]["rejections"]["turns"] >= 0
+    assert by["auto"]["teacher_forced"] is None

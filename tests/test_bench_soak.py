@@ -103,27 +103,19 @@ def test_report_renders_the_soak_section_from_its_record():
 
 
 def test_quick_soak_leaks_nothing_and_recovers_every_kept_handle(tmp_path: Path):
-    # Without phase 0 (a ~40-s kernel build killed midway, then a start): test_kernels.py specifies what a
-    # killed build leaves and a start's deadline; the benchmark's record runs the phase itself.
-    soak.main(["--quick", "--no-kernel-build", "--results-dir", str(tmp_path), "--run-id", "soak-test"])
+    # Phase 1 only, for time; the benchmark's record runs every phase, and other tests specify what the others
+    # check: test_kernels.py what a killed kernel build leaves and a start's deadline (phase 0),
+    # test_server_persist.py's full-volume test a volume that fills (the small-volume phase),
+    # test_adapter_ownership.py's checkpointer test retained handles on a small pool (the checkpointer phase).
+    soak.main(["--quick", "--no-kernel-build", "--no-volume", "--no-checkpointer", "--results-dir", str(tmp_path),
+               "--run-id", "soak-test"])
     rec = json.loads((tmp_path / "soak-test" / "soak.json").read_text())
     assert rec["quick"] is True
     phases = {row["phase"]: row for row in rec["rows"]}
-    assert list(phases) == ["persistent", "small-volume", "checkpointer"]
-    for phase in (phases["persistent"], phases["small-volume"]):
-        assert sum(phase["requests"].values()) > 0
-        assert phase["leaked_handles"] == 0 and phase["leaked_blocks"] == 0
-        assert phase["handles_recovered"] == phase["handles_kept"]
-        assert phase["clean_exit_code"] == 0
-        assert not [cls for cls in phase["errors"] if cls.startswith("500")]
-    volume = phases["small-volume"]
-    assert volume["permanent_503s"] == 0 and volume["healthy_at_end"], volume["health_transitions"]
-
-    checkpointer = phases["checkpointer"]
-    assert checkpointer["threads"] == soak.QUICK_CHECKPOINTER_THREADS
-    assert checkpointer["unrelated_failed"] == 0 and checkpointer["turns_failed"] == 0
-    assert checkpointer["requests"]["unrelated"] == checkpointer["threads"]
-    assert checkpointer["retained_handles_per_thread_max"] <= checkpointer["max_retained_handles"]
-    assert checkpointer["retained_blocks_max"] <= checkpointer["pool_blocks"]
-    assert checkpointer["handles_left_after_release"] == 0
-    assert checkpointer["leaked_handles"] == 0 and checkpointer["leaked_blocks"] == 0
+    assert list(phases) == ["persistent"]
+    phase = phases["persistent"]
+    assert sum(phase["requests"].values()) > 0
+    assert phase["leaked_handles"] == 0 and phase["leaked_blocks"] == 0
+    assert phase["handles_recovered"] == phase["handles_kept"]
+    assert phase["clean_exit_code"] == 0
+    assert not [cls for cls in phase["errors"] if cls.startswith("500")]

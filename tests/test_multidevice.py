@@ -120,6 +120,22 @@ def test_nccl_only_between_workers_with_a_gpu_each_and_skipped_cleanly_without_o
     assert script.plan(smoke_cpu=True)[0] == ["cpu", "cpu"]
 
 
+@pytest.mark.unit
+def test_a_private_ray_instance_never_joins_another_running_on_the_machine(monkeypatch):
+    # Without an address Ray joins the newest cluster in /tmp/ray (another server's, this module's own): a
+    # `kvbaton serve --devices` started meanwhile then failed ("num_cpus ... must not be provided").
+    from kvbaton.backend.cluster import launch
+
+    calls = []
+    monkeypatch.setenv("RAY_worker_niceness", "0")  # what connect() sets, undone after the test
+    monkeypatch.setattr(launch.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(launch.ray, "init", lambda **kw: calls.append(kw))
+    assert launch.connect(None, ["cpu", "cpu"]) is True
+    assert calls[-1]["address"] == "local" and calls[-1]["num_cpus"] >= 2
+    assert launch.connect("ray://head:10001", ["cpu"]) is True
+    assert calls[-1]["address"] == "ray://head:10001"
+
+
 def test_engine_exports_and_adopts_kv_exactly(engine, reference, corpus_tokens):
     """The engine-level primitives the workers use: blocks out of one engine, into another."""
     from kvbaton.backend import Engine

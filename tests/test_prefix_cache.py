@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import threading
+import weakref
+
 import pytest
 import torch
 from conftest import dense_greedy
@@ -129,6 +133,26 @@ def test_tier_files_are_removed_when_dropped_and_on_close(corpus_tokens):
     offload_everything(engine)
     engine.close()
     assert not tier_dir.exists()
+
+
+@pytest.mark.parametrize("closed", [True, False], ids=["closed", "dropped"])
+def test_an_engine_closed_or_dropped_is_collected_with_its_pool_and_threads(corpus_tokens, closed):
+    # Its finalizers (scheduler, audit, prefetch, tier files) once held the engine itself, so that no engine was
+    # ever collected: a process that made engines one after another kept every pool.
+    before = set(threading.enumerate())
+    engine = Engine(kv_budget="64 blocks", tiers=["host:32 blocks"])
+    handle = engine.materialize(corpus_tokens[:200])
+    collected, pool = weakref.ref(engine), weakref.ref(engine.pool)
+    threads = set(threading.enumerate()) - before
+    assert {t.name for t in threads} >= {"kvbaton-scheduler", "kvbaton-prefetch"}
+    if closed:
+        engine.close()
+    del engine, handle
+    gc.collect()
+    assert collected() is None and pool() is None
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive(), thread.name
 
 
 def test_budgets_hold_in_every_tier(corpus_tokens):

@@ -1,6 +1,7 @@
 """Starting a cluster's workers on Ray: the connection, the placement group, one actor per device.
 
-``ray_address`` None starts a private Ray instance on this machine (``kvbaton serve --devices``);
+``ray_address`` None starts a private Ray instance on this machine (``kvbaton serve --devices``), never
+joining another one that runs there;
 an address (``auto``, ``host:6379`` or ``ray://host:10001``) joins a running Ray cluster. The workers
 go into one placement group, a bundle per device (``{"GPU": 1, "CPU": 1}`` for a CUDA device, ``{"CPU":
 1}`` for a CPU one), ``PACK`` by default (a node's GPUs first, so NCCL stays inside a node where it can)
@@ -47,7 +48,10 @@ def connect(ray_address: str | None, devices: Sequence[str]) -> bool:
     cpus = sum(1 for d in devices if not d.startswith("cuda"))
     gpus = sum(1 for d in devices if d.startswith("cuda"))
     # Logical resources: a bundle per device, whatever the core count (the workers share the cores).
-    ray.init(num_cpus=max(os.cpu_count() or 1, cpus + gpus), num_gpus=gpus or None, namespace=NAMESPACE, **quiet)
+    # "local": a private instance even where another Ray runs on this machine (with no address, Ray
+    # would join the newest cluster it finds in /tmp/ray, and refuse the resources asked for here).
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus + gpus), num_gpus=gpus or None,
+             namespace=NAMESPACE, **quiet)
     return True
 
 
