@@ -252,6 +252,17 @@ def test_background_work_waits_until_no_request_waits_or_runs():
         assert s.scheduler.background_forwards >= 1
 
 
+def test_an_idle_loop_sleeps_until_work_arrives_then_runs_it():
+    with stack(background_quiet_s=0.0) as s:
+        s.lifecycle.first_token(list(range(20)))  # the loop has run, and is idle now
+        checks = []
+        ready = s.scheduler._ready
+        s.scheduler._ready = lambda: (checks.append(1), ready())[1]  # type: ignore[method-assign]
+        time.sleep(0.5)
+        assert len(checks) <= 2  # not a poll: it once checked every 10 ms, ~50 times here
+        assert s.lifecycle.first_token(list(range(30, 50))) == greedy(list(range(30, 50)), 1)[0]
+
+
 def test_background_prompts_go_in_small_chunks_even_alone():
     with stack(background_quiet_s=0.0, background_chunk=8, max_batch_tokens=64) as s:
         s.lifecycle.first_token(list(range(20)))

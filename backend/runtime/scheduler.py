@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 AHEAD = 32  # output messages a generation runs ahead of its consumer before it pauses
 WAITING_POLL_S = 0.05  # how often a request that did not fit tries again
+IDLE_WAIT_S = 1.0  # the longest an idle loop waits without a notification (a bound, not a poll)
 STOP_WAIT_S = 120.0  # the longest a consumer waits for the scheduler to let go of its request (one step)
 
 
@@ -207,9 +208,13 @@ class Scheduler:
         return None
 
     def _sleep(self) -> float:
+        """How long the loop may wait for a notification: new requests, signals and consumers' reads notify it;
+        only a request that did not fit and the end of the quiet period are woken by time. Idle, it sleeps
+        (an idle server's loop once woke every 10 ms)."""
         if self._waiting:
             return WAITING_POLL_S
-        return max(0.01, min(1.0, self._last_foreground + self.background_quiet_s - time.monotonic()))
+        until_quiet = self._last_foreground + self.background_quiet_s - time.monotonic()
+        return min(1.0, max(0.01, until_quiet)) if until_quiet > 0 else IDLE_WAIT_S
 
     def _quiet(self, now: float) -> bool:
         """No foreground request waits or runs, and none did for the quiet period: background work may run."""
