@@ -11,7 +11,7 @@ package) keep only their framework glue; the parts below are the same for both:
   reuses most (:func:`rank_handles`: longest common token prefix, latest on ties), and a call that
   falls back to plain prefill when that handle went stale (:func:`run_with_handle`), with the
   adapter's reuse policy where the client takes one, inside the run's reuse session
-  (:func:`session_agent`), and how the answer was served (:func:`reuse_report`: exact or approximate);
+  (:mod:`kvbaton.scope`), and how the answer was served (:func:`reuse_report`: exact or approximate);
 - **agent registration** — an agent's fixed prompt (its leading system messages) registered once
   per client, again only when it changes (:func:`register_fixed_prompt`);
 - **hints** — steps-to-execution of a :class:`~kvbaton.StepGraph` sent through the client's
@@ -44,7 +44,6 @@ from typing import Any, TypeVar
 from kvbaton.client import AsyncClient
 from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle
 from kvbaton.handle import Handle, common_prefix_length
-from kvbaton.scope import current_session
 from kvbaton.stepgraph import StepGraph
 from kvbaton.threaded import run_blocking
 from kvbaton.tools import (  # noqa: F401 (re-exported: the adapters' tool-call convention)
@@ -135,30 +134,6 @@ def reuse_kwargs(fn: Callable[..., Any], reuse: str | None) -> dict[str, Any]:
     if reuse is None:
         return {}
     return {"reuse": reuse} if _takes(getattr(fn, "__func__", fn), "reuse") else {}
-
-
-def in_process(client: Any) -> bool:
-    """Whether ``client`` runs its engine in this process (an embedded client, sync or async): its requests
-    may name their reuse session with an ``AgentRef``. Over HTTP the session travels as a header instead
-    (:mod:`kvbaton.scope`)."""
-    return getattr(client, "engine", None) is not None or getattr(sync_client(client), "engine", None) is not None
-
-
-def session_agent(client: Any, agent: str | None) -> Any:
-    """The ``agent`` argument of a request made now: ``agent`` itself, or, inside a scope with a reuse session
-    (:func:`kvbaton.scope.current_session`: an adapter's run) and on an in-process engine, an ``AgentRef``
-    naming the agent and its session, so the request places only spans its own run computed."""
-    session = current_session()
-    if session is None or not in_process(client):
-        return agent
-    from kvbaton.backend.tenants import AgentRef  # an in-process engine is kvbaton's backend
-
-    return AgentRef(None, agent, session)
-
-
-def _agent_options(client: Any, fn: Callable[..., Any], agent: str | None) -> dict[str, Any]:
-    """``{"agent": ...}`` for a request through ``fn``: the agent, with the run's reuse session where it has one."""
-    return agent_kwargs(fn, session_agent(client, agent))
 
 
 def reuse_report(result: Any) -> dict[str, Any]:
@@ -314,7 +289,7 @@ def run_with_handle(
     ``reuse`` only where the method takes them). A stale handle (:data:`STALE_HANDLE_ERRORS`) makes the
     same call without it — plain prefill — after ``on_stale(handle)``."""
     fn = _method(_call_target(client), method)
-    options.update(_agent_options(client, fn, agent))
+    options.update(agent_kwargs(fn, agent))  # its reuse session goes with it (kvbaton.scope)
     options.update(reuse_kwargs(fn, reuse))
     try:
         return fn(messages, handle=handle, **options)
@@ -331,7 +306,7 @@ async def arun_with_handle(
     on_stale: Callable[[Any], None] | None = None, **options: Any,
 ) -> Any:
     fn = _method(client, method)
-    options.update(_agent_options(client, fn, agent))
+    options.update(agent_kwargs(fn, agent))
     options.update(reuse_kwargs(fn, reuse))
     try:
         return await _ainvoke(fn, messages, handle=handle, **options)
@@ -536,7 +511,6 @@ __all__ = [
     "call",
     "compact_handle",
     "handle_tokens",
-    "in_process",
     "iterate_in_thread",
     "leading_system",
     "parse_tool_calls",
@@ -551,7 +525,6 @@ __all__ = [
     "remember_tokens",
     "reuse_report",
     "run_with_handle",
-    "session_agent",
     "supports",
     "sync_client",
     "tool_result",

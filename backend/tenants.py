@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvbaton.errors import InvalidRequest
 from kvbaton.ops import MAX_AGENT_CHARS, check_agent
+from kvbaton.scope import current_session
 
 MAX_TENANT_CHARS = 64  # a server's tenant ids are 18 characters ("t-" and 16 hex digits)
 # How long an agent's label (``tenant/name``) may be: an engine's internal layers check this, the
@@ -56,9 +57,11 @@ class AgentRef:
     @classmethod
     def of(cls, agent: str | AgentRef | None) -> AgentRef:
         """An operator's ``agent`` argument as an ``AgentRef`` (``AgentRef()`` for None): a plain name
-        has no tenant, whatever it spells. Not checked here: a request's agent is checked where the
-        request fails as a request (:func:`check_agent_of`), so that its error is an event too."""
-        return agent if isinstance(agent, AgentRef) else cls(None, agent)
+        has no tenant, whatever it spells, and belongs to the reuse session of the caller's scope
+        (:func:`kvbaton.scope.current_session`: an adapter's run), as an HTTP client's request carries it in
+        ``X-Kvbaton-Session``. Not checked here: a request's agent is checked where the request fails as a
+        request (:func:`check_agent_of`), so that its error is an event too."""
+        return agent if isinstance(agent, AgentRef) else cls(None, agent, current_session())
 
     @classmethod
     def parse(cls, label: str | None) -> AgentRef:

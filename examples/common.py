@@ -216,11 +216,9 @@ class MeteredClient(Client):
             if blocks * stats.bytes_per_block > self.peak_bytes:
                 self.peak_bytes, self.peak_blocks = blocks * stats.bytes_per_block, blocks
 
-    def record(self, agent: Any, op: str, ttft_s: float, reused: int, prefilled: int, generated: int) -> None:
-        # an adapter's run names its agents with their reuse session (an AgentRef): the table is per name
-        name = getattr(agent, "name", agent)
+    def record(self, agent: str | None, op: str, ttft_s: float, reused: int, prefilled: int, generated: int) -> None:
         with self._lock:
-            self.calls.append(Call(name or "-", op, ttft_s, reused, prefilled, generated))
+            self.calls.append(Call(agent or "-", op, ttft_s, reused, prefilled, generated))
 
     def _result(self, result: Result, agent: str | None, op: str) -> Result:
         t = result.timings

@@ -24,9 +24,10 @@ Invariants:
 **Reuse sessions.** A scope may name a ``session`` (``Scope(session="run-7")``): the unit of work whose
 requests may reuse each other's K/V approximately (``reuse="auto"`` and the like place only spans their
 own session computed, ``EngineConfig.span_partition``). :func:`current_session` is the session of the
-innermost active scope that names one (None: none does). Inside such a scope the framework adapters tag
-their requests with it (an in-process engine gets ``AgentRef(name=..., session=...)``), and an HTTP
-client sends it as ``X-Kvbaton-Session`` on every request that does not carry one; the adapters open one
+innermost active scope that names one (None: none does). Every request made inside such a scope belongs
+to it: an in-process engine reads it when it takes the request's ``agent`` (and a multi-device cluster
+resolves it in the calling process, before its workers see the request), and an HTTP client sends it as
+``X-Kvbaton-Session`` on every request that does not carry one; the adapters open one
 per run (a LangGraph invocation or thread, an AutoGen team's conversation), so a run never places spans
 of an earlier, unrelated run unless the runs name the same session on purpose.
 """

@@ -113,6 +113,9 @@ def running(procs: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess
     try:
         yield procs
     finally:
+        for proc in procs.values():  # all told at once: their shutdowns overlap, as their start-ups did
+            if proc.proc is not None and proc.proc.poll() is None:
+                proc.proc.terminate()
         for proc in procs.values():
             proc.stop()
             proc.log.unlink(missing_ok=True)

@@ -20,7 +20,6 @@ pytest.importorskip("autogen_agentchat")
 from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.teams import RoundRobinGroupChat
 from autogen_ext.models.replay import ReplayChatCompletionClient
-from kvbaton.adapters import core
 from kvbaton.adapters.autogen import instrument
 from kvbaton.adapters.langgraph import KvbatonChatModel, wrap
 from kvbaton.bench.corpus import document
@@ -167,16 +166,19 @@ def test_the_innermost_scope_with_a_session_names_it_and_an_http_client_sends_it
 
 
 @pytest.mark.unit
-def test_adapters_tag_an_in_process_engines_requests_with_the_session():
-    class Embedded:
-        engine = object()
+def test_an_in_process_engine_reads_the_reuse_session_of_the_callers_scope():
+    # As an HTTP client sends it in X-Kvbaton-Session: the adapters only open the scope, and pass plain names.
+    from kvbaton.backend.cluster.remote import _caller_agent
+    from kvbaton.backend.tenants import AgentRef
 
-    class Remote:
-        pass
-
-    assert core.session_agent(Embedded(), "reader") == "reader"  # no session: the agent as given
+    assert AgentRef.of("reader") == AgentRef(None, "reader", None)  # no session: the agent as given
     with Scope(session="run-1"):
-        ref = core.session_agent(Embedded(), "reader")
-        assert (ref.name, ref.session, ref.tenant) == ("reader", "run-1", None)
-        assert core.session_agent(Embedded(), None).session == "run-1"
-        assert core.session_agent(Remote(), "reader") == "reader"  # over HTTP it travels as a header
+        assert AgentRef.of("reader") == AgentRef(None, "reader", "run-1")
+        assert AgentRef.of(None).session == "run-1"
+        tagged = AgentRef("t-1", "reader", "server-session")  # a server's own, kept as it is
+        assert AgentRef.of(tagged) is tagged
+        # a cluster resolves it where the caller is, before a worker (which has no scope) sees the request
+        assert _caller_agent({"agent": "reader", "mode": "auto"}) == {"agent": AgentRef(None, "reader", "run-1"),
+                                                                     "mode": "auto"}
+        assert _caller_agent({"mode": "auto"}) == {"mode": "auto"}
+    assert AgentRef.of("reader").session is None

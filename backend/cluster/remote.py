@@ -20,6 +20,8 @@ from kvbaton.errors import ServerError, error_from_code
 from kvbaton.types import Result, StreamChunk
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from ..tenants import AgentRef
+
 try:  # raised for a call in flight on an actor being restarted (Ray >= 2.35)
     from ray.exceptions import ActorUnavailableError
 except ImportError:  # pragma: no cover
@@ -42,6 +44,12 @@ def answer(reply: tuple[Any, ...]) -> Any:
     if reply[0] == "err":
         raise error_from_code(reply[1], reply[2])
     raise ServerError(f"unexpected worker reply {reply[0]!r}")
+
+
+def _caller_agent(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An operator's ``agent`` resolved here, in the caller's context (its reuse scope's session), not in the
+    worker's, which has none."""
+    return {**kwargs, "agent": AgentRef.of(kwargs["agent"])} if "agent" in kwargs else kwargs
 
 
 class WorkerRef:
@@ -99,7 +107,7 @@ class WorkerRef:
             raise WorkerLost(f"worker {self.rank} died") from exc
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self.invoke("call", method, args, kwargs)
+        return self.invoke("call", method, args, _caller_agent(kwargs))
 
     def invoke(self, actor_method: str, *args: Any) -> Any:
         """An actor method answering ``("ok", value)`` / ``("err", ...)``: its value, or its error raised."""
@@ -132,7 +140,7 @@ class WorkerRef:
         sid = next(self._ids)
         gen = self.actor.stream.options(
             num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE,
-        ).remote(sid, method, args, kwargs)
+        ).remote(sid, method, args, _caller_agent(kwargs))
         with self._lock:
             self._queue += 1
         items = _StreamItems(self, sid, gen)
