@@ -63,7 +63,7 @@ from .reuse.place import AutoReuse, Placer
 from .reuse.rotary import RopeShifter
 from .reuse.spans import SpanIndex
 from .runtime.lifecycle import Lifecycle
-from .runtime.sampler import prompt_token_logprobs
+from .runtime.sampler import scored_tokens, unscored_token
 from .runtime.scheduler import Scheduler
 from .stats import engine_stats
 from .tenants import SHARED, Agent, AgentRef, TenantPartition, check_agent_of
@@ -425,11 +425,14 @@ class Engine(ConfiguredEngine):
     def prompt_logprobs(self, prompt: Context, top_logprobs: int = 0) -> list[PromptTokenLogprob]:
         """Each token of ``prompt`` with its log probability after those before it (the first: None) and the
         ``top_logprobs`` likeliest there, at temperature 1: lm-eval's scoring (``echo`` + ``logprobs`` on
-        ``/v1/completions``). A dense prefill of the prompt alone; nothing is kept."""
+        ``/v1/completions``). A dense prefill of the prompt alone, in chunks (``reuse.compose.SCORE_CHUNK``
+        rows of logits at a time, so any prompt that fits the context is scored); nothing is kept."""
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs is 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}", param="top_logprobs")
-        tokens, logits = self.composer.prompt_logits(prompt)
-        return prompt_token_logprobs(tokens, logits, top_logprobs, self.requests.constraints.token_bytes)
+        vocab, scored = self.requests.constraints.token_bytes, []
+        tokens = self.composer.score_prompt(prompt, lambda logits, targets: scored.extend(
+            scored_tokens(logits, targets, top_logprobs, vocab)))
+        return [unscored_token(tokens[0], vocab), *scored]
 
     def next_token_logits(self, handle: HandleLike, suffix: Context = "") -> torch.Tensor:
         """fp32 next-token logits after ``handle`` + ``suffix``, computed on the reuse path.

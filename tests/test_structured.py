@@ -122,8 +122,24 @@ def test_a_prompts_log_probabilities_are_the_dense_models_own(engine, reference)
                                                             abs=1e-3)
     assert [e.top_logprobs[0].token_id for e in scored[1:]] == dense.argmax(-1).tolist()
     assert engine.stats().handles_live == 0  # nothing kept
-    with pytest.raises(InvalidRequest, match="at most 2048 tokens"):
-        engine.prompt_logprobs([5] * 2049)
+
+
+def test_a_prompt_longer_than_a_scoring_chunk_is_scored_whole_as_the_dense_model_does(engine, reference, corpus_tokens):
+    """Scoring computes at most SCORE_CHUNK rows of logits at a time, each chunk behind the K/V of those before:
+    a prompt of several chunks gets the dense forward's log probabilities at every position, and leaves no
+    block behind."""
+    import torch
+    from kvbaton.backend.reuse.compose import SCORE_CHUNK
+
+    tokens = corpus_tokens[: 2 * SCORE_CHUNK + 77]
+    used = engine.stats().blocks_used
+    scored = engine.prompt_logprobs(tokens)
+    assert [e.token_id for e in scored] == tokens and scored[0].logprob is None
+    with torch.no_grad():
+        dense = torch.log_softmax(reference(torch.tensor([tokens])).logits[0, :-1].float(), dim=-1)
+    expected = dense.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
+    assert [e.logprob for e in scored[1:]] == pytest.approx(expected, abs=1e-3)
+    assert engine.stats().handles_live == 0 and engine.stats().blocks_used == used
 
 
 def test_a_required_tool_call_is_a_valid_call(engine):

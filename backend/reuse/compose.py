@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -42,8 +42,9 @@ MODES = ("auto", "blend", "rotate", "dense")
 _REFERENCES = 16  # remembered dense continuations of reference handles
 
 
-MAX_SCORED_TOKENS = 2048
-"""The longest prompt whose tokens' log probabilities are computed (``Engine.prompt_logprobs``)."""
+SCORE_CHUNK = 512
+"""Rows of logits a prompt's scoring computes at once (``Engine.prompt_logprobs``): each row is a vocabulary of
+fp32 logits (~0.2 MB for the default model), so a chunk bounds the memory whatever the prompt's length."""
 
 
 class Requests(Protocol):
@@ -304,24 +305,31 @@ class Composer:
         finally:
             self._kv.drop(state)
 
-    def prompt_logits(self, prompt: Context) -> tuple[list[int], torch.Tensor]:
-        """A prompt's tokens and the logits after each of them but the last, ``[n - 1, vocab]`` (what the
-        model predicted for tokens 1..n-1), from a fresh dense prefill that neither reads nor feeds the
-        prefix cache; nothing is kept. At most :data:`MAX_SCORED_TOKENS` tokens: every row is a vocabulary
-        of fp32 logits."""
+    def score_prompt(self, prompt: Context, each: Callable[[torch.Tensor, list[int]], None]) -> list[int]:
+        """A prompt's tokens; ``each(logits, targets)`` gets, in order, the logits after each token but the last
+        and the tokens they predict (tokens 1..n-1), at most :data:`SCORE_CHUNK` rows at a time, from a dense
+        prefill that neither reads nor feeds the prefix cache. Each chunk's K/V stays while the next is computed
+        behind it; nothing is kept after."""
         tokens = self._inputs.tokens(prompt, what="prompt")
-        if len(tokens) > MAX_SCORED_TOKENS:
-            raise InvalidRequest(f"the prompt's log probabilities are computed for at most {MAX_SCORED_TOKENS} "
-                                 f"tokens (each is a row of logits over the vocabulary); this prompt has "
-                                 f"{len(tokens)}", param="prompt")
         with self._lock:
             self._inputs.check_context(len(tokens))
-            state = self._kv.share(None, 0, tokens, LineageStep(op=Op.MATERIALIZE, token_ids=tuple(tokens)))
-            state.cacheable = False
+        states: list[KVState] = []
         try:
-            return tokens, self._life.logits_after_each(state)[:-1]
+            for start in range(0, len(tokens), SCORE_CHUNK):
+                chunk = tokens[start:start + SCORE_CHUNK]
+                parent = states[-1] if states else None
+                step = LineageStep(op=Op.EXTEND if parent else Op.MATERIALIZE, token_ids=tuple(chunk))
+                with self._lock:
+                    state = self._kv.share(parent, start, chunk, step)
+                    state.cacheable = False
+                states.append(state)
+                logits = self._life.logits_after_each(state)
+                targets = tokens[start + 1:start + len(chunk) + 1]
+                each(logits[: len(targets)], targets)
         finally:
-            self._kv.drop(state)
+            for state in reversed(states):
+                self._kv.drop(state)
+        return tokens
 
     def next_token_logits(self, handle: HandleLike, suffix: Context = "") -> torch.Tensor:
         """fp32 next-token logits after ``handle`` + ``suffix``, computed on the reuse path (nothing kept)."""

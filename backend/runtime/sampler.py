@@ -122,13 +122,19 @@ def token_logprob(raw: RawLogprob, vocab: Callable[[int], bytes]) -> TokenLogpro
                         top_logprobs=alternatives)
 
 
-def prompt_token_logprobs(tokens: Sequence[int], logits: torch.Tensor, top: int,
-                          vocab: Callable[[int], bytes]) -> list[PromptTokenLogprob]:
-    """Each of ``tokens`` with its log probability under ``logits`` (``[len(tokens) - 1, vocab]``: the logits
-    after each token but the last; the first token has none) and the ``top`` most likely tokens there."""
-    first = vocab(tokens[0])
-    out = [PromptTokenLogprob(token_id=tokens[0], token=token_text(first), logprob=None, bytes=list(first))]
-    for row, token in zip(logits, tokens[1:], strict=True):
+def unscored_token(token: int, vocab: Callable[[int], bytes]) -> PromptTokenLogprob:
+    """A prompt's first token: nothing before it predicts it, so it has no log probability (None, as OpenAI
+    answers)."""
+    raw = vocab(token)
+    return PromptTokenLogprob(token_id=token, token=token_text(raw), logprob=None, bytes=list(raw))
+
+
+def scored_tokens(logits: torch.Tensor, targets: Sequence[int], top: int,
+                  vocab: Callable[[int], bytes]) -> list[PromptTokenLogprob]:
+    """Each of ``targets`` with its log probability under the row of ``logits`` before it (``[len(targets),
+    vocab]``) and the ``top`` most likely tokens there."""
+    out = []
+    for row, token in zip(logits, targets, strict=True):
         raw = raw_logprob(torch.log_softmax(row.float(), dim=-1), token, top)
         out.append(PromptTokenLogprob(**dict(token_logprob(raw, vocab))))
     return out
