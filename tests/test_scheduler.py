@@ -259,7 +259,9 @@ def test_an_idle_loop_sleeps_until_work_arrives_then_runs_it():
         ready = s.scheduler._ready
         s.scheduler._ready = lambda: (checks.append(1), ready())[1]  # type: ignore[method-assign]
         time.sleep(0.5)
-        assert len(checks) <= 2  # not a poll: it once checked every 10 ms, ~50 times here
+        # not a poll (it once checked every 10 ms, ~50 times here); the first request's last signals may still
+        # wake it a couple of times
+        assert len(checks) <= 5
         assert s.lifecycle.first_token(list(range(30, 50))) == greedy(list(range(30, 50)), 1)[0]
 
 
