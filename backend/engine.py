@@ -37,7 +37,15 @@ from kvbaton.handle import Handle, HandleLike, LineageStep, Op, Placement, Posit
 from kvbaton.ops import Messages, check_reuse, ste_map
 from kvbaton.stream import TokenStream
 from kvbaton.types import (
-    MAX_TOP_LOGPROBS, AgentInfo, Composition, Events, Fidelity, PromptTokenLogprob, Result, Reuse, SamplingParams,
+    MAX_TOP_LOGPROBS,
+    AgentInfo,
+    Composition,
+    Events,
+    Fidelity,
+    PromptTokenLogprob,
+    Result,
+    Reuse,
+    SamplingParams,
     Stats,
 )
 
@@ -66,18 +74,11 @@ from .runtime.lifecycle import Lifecycle
 from .runtime.sampler import scored_tokens, unscored_token
 from .runtime.scheduler import Scheduler
 from .stats import engine_stats
-from .tenants import SHARED, Agent, AgentRef, TenantPartition, check_agent_of
+from .tenants import Agent, AgentRef, Partitions, TenantPartition, check_agent_of
 
 log = logging.getLogger(__name__)
 
 MAX_FORK = 1024
-
-
-def _weakly(method: Any) -> Any:
-    """``method`` without a strong reference to its engine: the pieces the engine's finalizers close hold it,
-    and a strong one would keep every engine (and its pool) alive for the life of the process."""
-    ref = weakref.WeakMethod(method)
-    return lambda state: (bound(state) if (bound := ref()) is not None else None)
 
 
 class Engine(ConfiguredEngine):
@@ -98,10 +99,11 @@ class Engine(ConfiguredEngine):
         self.event_ring = EventRing(self.config.event_capacity)  # what requests, evictions and prefetches did
         # Cross-prefix reuse: exact sources indexed by content (spans.py), live handles and what the prefix cache
         # keeps of released ones, in the span partition of the request that made them (None: no cross-prefix reuse).
-        self.spans = SpanIndex(partition_of=_weakly(self._span_partition), block_size=self.config.block_size)
+        # One cache partition and one span partition until a server asks (partition_tenants).
+        self.partitions = Partitions(by_session=self.config.span_partition == "session")
+        self.spans = SpanIndex(partition_of=self.partitions.spans, block_size=self.config.block_size)
         # What the prefix cache and prefetch tell it; the blocks the cache lets go end the span index's views.
         self._cache_events = CacheEvents(self.event_ring, self._ste, self.spans.cached.dropped)
-        self._partition: TenantPartition = SHARED  # one cache partition and one span partition until a server asks
         # Tier directories first: an unwritable one fails before the model loads.
         claimed = claim_tiers(self.config.tiers, persist=self.config.persist)
         try:
@@ -148,7 +150,7 @@ class Engine(ConfiguredEngine):
         # The live handles are what a reservation may spill when the pool is full (spill.py); a state's
         # prefix-cache partition follows its tenant as the engine's partition says.
         self.kv = KVManager(self.pool, self.cache, self._lock, live=self.handles.states,
-                            partition=_weakly(self._cache_partition))
+                            partition=self.partitions.cache)
         self.prefetcher: Prefetcher | None = None
         if self.cache is not None and self.cache.tiers and c.prefetch:
             self.prefetcher = Prefetcher(self.kv, self._ste, self._cache_events)
@@ -194,8 +196,8 @@ class Engine(ConfiguredEngine):
         call it before serving. Spans already indexed keep the partition they were indexed in."""
         check_partition(self, partition, self.partitionable)
         with self._lock:
-            flush = partition.prefix_cache != self._partition.prefix_cache
-            self._partition = partition
+            flush = partition.prefix_cache != self.partitions.current.prefix_cache
+            self.partitions.current = partition
             if flush and self.cache is not None:
                 self.cache.flush()
         if flush and self._persisted is not None:
@@ -204,18 +206,6 @@ class Engine(ConfiguredEngine):
     @property
     def persistence(self) -> Persistence | None:
         return self._persisted.persistence if self._persisted is not None else None
-
-    def _cache_partition(self, state: KVState) -> str | None:
-        """The prefix-cache partition of a state: its tenant's, or the one shared partition (None: none)."""
-        return self._partition.cache_partition(state.tenant)
-
-    def _span_partition(self, state: KVState) -> str | None:
-        """The span partition a state's spans are indexed in (None: its spans are no sources)."""
-        return self._partition.span_partition(state.tenant, self._session_partition(state.session))
-
-    def _session_partition(self, session: str | None) -> str | None:
-        """The session that partitions approximate reuse (``span_partition``): the request's, or none (tenant-wide)."""
-        return session if self.config.span_partition == "session" else None
 
     def _share(
         self, ref: AgentRef, parent: KVState | None, keep: int, added: Sequence[int], step: LineageStep
@@ -337,12 +327,11 @@ class Engine(ConfiguredEngine):
         check_reuse(reuse)
         ref = AgentRef.of(agent)
         policy = reuse or self.config.reuse
-        partition = (self._partition.span_partition(ref.tenant, self._session_partition(ref.session))
-                     if policy != "exact" else None)
+        partition = self.partitions.spans(ref) if policy != "exact" else None
         with self._lock:
             parent = self.handles.get(handle) if handle is not None else None
             parent, keep = self.placer.starting_point(prompt, parent, policy, partition,
-                                                      self._partition.cache_partition(ref.tenant))
+                                                      self.partitions.cache(ref))
             if parent is None:
                 state = self._share(ref, None, 0, prompt, LineageStep(op=Op.GENERATE, token_ids=tuple(prompt)))
             else:
@@ -463,7 +452,7 @@ class Engine(ConfiguredEngine):
         info = AgentInfo(name=ref.label, fixed_tokens=len(tokens))
         with self._lock:
             if self.cache is not None:  # in the agent's own partition: prefetch loads its path there
-                self.cache.register_agent(info.name, tokens, self._partition.cache_partition(ref.tenant) or "")
+                self.cache.register_agent(info.name, tokens, self.partitions.cache(ref) or "")
         if prefill:  # computed into that partition now
             self.release(self.materialize(tokens, agent=ref))
         return info
@@ -510,7 +499,7 @@ class Engine(ConfiguredEngine):
     def cached_prefix(self, tokens: Sequence[int], agent: Agent | None = None) -> int:
         """How many leading ``tokens`` the prefix cache holds on the device for ``agent``'s requests
         (what a prefill of them would skip): lets a multi-device coordinator predict a recompute's real cost."""
-        return self.kv.cached_prefix(tokens, self._partition.cache_partition(AgentRef.of(agent).tenant))
+        return self.kv.cached_prefix(tokens, self.partitions.cache(AgentRef.of(agent)))
 
     # -- moving state between engines (multi-device) ------------------------------------------------
     def transfer(self, handle: HandleLike, device: int | str) -> Handle:

@@ -9,6 +9,7 @@ place a label is read back is :meth:`AgentRef.parse`, beside the label format.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvbaton.errors import InvalidRequest
 from kvbaton.ops import MAX_AGENT_CHARS, check_agent
@@ -128,3 +129,28 @@ def _partition_of_tenant(per_tenant: bool, tenant: str | None) -> str | None:
 
 
 SHARED = TenantPartition()
+
+
+class Owned(Protocol):
+    """What a partition is read off: a request's ``AgentRef`` or the state it made."""
+
+    tenant: str | None
+    session: str | None
+
+
+class Partitions:
+    """The partitions of an engine's requests as its current :class:`TenantPartition` says (``current``; set when a
+    server asks), spans by session where ``by_session``. The KV manager and the span index hold its methods: an
+    object of its own, not the engine, so that what they keep alive never includes the engine."""
+
+    def __init__(self, by_session: bool) -> None:
+        self.current = SHARED
+        self._by_session = by_session
+
+    def cache(self, owner: Owned) -> str | None:
+        """The prefix-cache partition: the owner's tenant's, or the one shared partition (None: none)."""
+        return self.current.cache_partition(owner.tenant)
+
+    def spans(self, owner: Owned) -> str | None:
+        """The span partition (None: no cross-prefix reuse): the tenant's, or within it the owner's session."""
+        return self.current.span_partition(owner.tenant, owner.session if self._by_session else None)
