@@ -75,6 +75,18 @@ class Identity:
         )
 
 
+def handle_id(handle: HandleLike, identity: Identity | None) -> str:
+    """The id of a handle or id, after the compatibility check of a handle object against ``identity``
+    (None: no check)."""
+    if isinstance(handle, Handle):
+        if identity is not None:
+            identity.check(handle)
+        return handle.id
+    if isinstance(handle, str):
+        return handle
+    raise InvalidRequest(f"expected a Handle or a handle id, got {type(handle).__name__}")
+
+
 class HandleTable(Generic[S]):
     """Live states by handle id, plus the memory of released ids."""
 
@@ -87,13 +99,7 @@ class HandleTable(Generic[S]):
 
     def id_of(self, handle: HandleLike) -> str:
         """The id of a handle or id, after the compatibility check of a handle object."""
-        if isinstance(handle, Handle):
-            if self.identity is not None:
-                self.identity.check(handle)
-            return handle.id
-        if isinstance(handle, str):
-            return handle
-        raise InvalidRequest(f"expected a Handle or a handle id, got {type(handle).__name__}")
+        return handle_id(handle, self.identity)
 
     def get(self, handle: HandleLike) -> S:
         """The live state of a handle or id, or the typed error saying why there is none."""

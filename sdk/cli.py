@@ -121,10 +121,12 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvbaton serve: error: {exc}", file=sys.stderr)
         return 2
     cluster_options = None
-    if (devices and len(devices) > 1) or options.ray_address:
+    if options.attach:
+        cluster_options = {"attach": options.attach, "ray_address": options.ray_address}
+    elif (devices and len(devices) > 1) or options.ray_address or options.cluster_name:
         cluster_options = {"devices": devices or [args.device], "ray_address": options.ray_address,
                            "bandwidth_cap": options.bandwidth_cap, "balance_slack": options.balance_slack,
-                           "heartbeat_timeout": options.heartbeat_timeout}
+                           "heartbeat_timeout": options.heartbeat_timeout, "name": options.cluster_name}
     from kvbaton.backend.server import serve
 
     try:

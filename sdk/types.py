@@ -291,6 +291,9 @@ class WorkerStats(BaseModel):
     queue: int = Field(description="Requests in flight on the worker.")
     handles: int = Field(description="Live handles the coordinator has placed on the worker.")
     prefill_tokens_per_s: float | None = None
+    collective: bool | None = Field(default=None, description=(
+        "Whether KV moves to and from the worker over the collective group (NCCL or gloo); False: Ray's object "
+        "store (a worker Ray restarted leaves the group); None: the cluster has no group."))
     stats: Stats | None = Field(default=None, description="The worker engine's own stats (None when it is down).")
 
 

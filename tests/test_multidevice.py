@@ -3,7 +3,8 @@
 One local multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head without workers and two
 nodes of one CPU each) is started once for the module, and one kvbaton ``Cluster`` on it: a worker
 actor per node (``STRICT_SPREAD``), KV moved over a gloo group formed inside the actors, each worker
-persistent (its own journal on its own disk tier).
+persistent (its own journal on its own disk tier). The cluster is named, so its control is a Ray actor
+that other ingresses attach to, as ``kvbaton serve --cluster-name`` / ``--attach`` run it.
 
 Specification:
 - a handle materialized on one node and resumed on the other after a KV transfer gives exactly the
@@ -16,6 +17,9 @@ Specification:
 - every worker keeps tenants' prefix caches apart, and a server over the cluster (the ingress)
   authenticates and separates tenants as over one engine;
 - a stream the consumer abandons leaves nothing on the workers;
+- a second ingress attached to the cluster serves the same handles exactly, reads its streams from the
+  workers, and moves and resumes one handle at the same time as the first without a wrong token; a
+  server process attached to it authorizes every tenant as the server that made the handle would;
 - a worker killed mid-stream: the stream finishes on the other worker with the same tokens; a handle
   that lived only there is recomputed from lineage on next use; Ray restarts the actor, which rejoins
   with the handles its journal kept and serves again (its KV moves now go through the object store:
@@ -44,6 +48,7 @@ pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(max_tokens=10)
 SUFFIX = [28, 1217, 314, 253, 3037, 47]  # a handful of ordinary token ids
 WAIT_S = 240.0  # how long a restart may take on a busy 2-core machine: never a measured bound
+CLUSTER_NAME = "tests"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +74,7 @@ def cluster(ray_nodes, tmp_path_factory: pytest.TempPathFactory):
     c = Cluster(["cpu", "cpu"], engine_options={"kv_budget": "96MiB", "tiers": (f"disk:256MiB:{tiers}",),
                                                 "persist": True},
                 ray_address=ray_nodes.address, transport="collective", placement_strategy="STRICT_SPREAD",
-                worker_threads=1, calibrate=False, calibration_cache=None)
+                worker_threads=1, calibrate=False, calibration_cache=None, name=CLUSTER_NAME)
     c.calibrate(prefill_tokens=(32, 96, 256))  # short probes: enough for the choices these tests make
     yield c
     c.close()
@@ -200,7 +205,7 @@ def test_handle_transferred_to_the_other_node_resumes_exactly(client, cluster, r
     # Back to the first worker, whose prefix cache still holds the context: recompute is predicted cheap.
     client.transfer(handle, src)
     back = last_decision(cluster, handle.id)
-    assert back.predicted_recompute_s < cluster.costs.predict_recompute(src, len(context))
+    assert back.predicted_recompute_s < cluster.predict_recompute(src, len(context))
     client.release([handle, result.handle])
 
 
@@ -380,6 +385,88 @@ def test_abandoned_streams_leave_nothing_on_the_workers(cluster, corpus_tokens):
     until(lambda: leftovers(cluster) == base, "nothing left on the workers")
 
 
+@pytest.fixture(scope="module")
+def second(cluster):
+    """Another ingress over the module's cluster, as a second ``kvbaton serve --attach`` runs one."""
+    from kvbaton.backend.cluster import Cluster
+
+    ingress = Cluster.attach(CLUSTER_NAME)
+    yield ingress
+    ingress.close()
+
+
+def test_a_second_ingress_serves_the_same_handles_exactly(cluster, second, reference, corpus_tokens):
+    context = corpus_tokens[1300:1380]
+    handle = cluster.materialize(context)
+    out = second.resume(handle.id, SUFFIX, GREEDY)  # made through one ingress, resumed through the other
+    expected = dense_greedy(reference, context + SUFFIX, GREEDY.max_tokens)[0]
+    assert out.token_ids == expected
+    # A stream read by the second ingress from the worker; the handle it made is the cluster's.
+    stream = second.resume_stream(handle, SUFFIX, GREEDY)
+    assert [t for chunk in stream for t in chunk.token_ids] == expected
+    made = stream.result.handle
+    assert cluster.describe(made.id).token_ids() == context + SUFFIX + expected
+    moved = second.transfer(handle, other(handle.placement.worker))
+    assert cluster.describe(handle.id).placement.worker == moved.placement.worker
+    second.release([handle, out.handle, made])
+    with pytest.raises(HandleReleased):
+        cluster.describe(handle.id)
+    assert [w.queue for w in cluster.stats().cluster.workers] == [0, 0]  # every ticket ended
+
+
+def test_two_ingresses_moving_and_resuming_one_handle_at_once_stay_exact(cluster, second, reference, corpus_tokens):
+    from concurrent.futures import ThreadPoolExecutor
+
+    context = corpus_tokens[1400:1460]
+    handle = cluster.materialize(context)
+    expected = dense_greedy(reference, context + SUFFIX, GREEDY.max_tokens)[0]
+    with ThreadPoolExecutor(6) as pool:
+        moves = [pool.submit(ingress.transfer, handle.id, rank, method="transfer")
+                 for ingress, rank in ((second, 0), (cluster, 1), (second, 1), (cluster, 0))]
+        resumes = [pool.submit(ingress.resume, handle.id, SUFFIX, GREEDY) for ingress in (cluster, second)]
+        results = [f.result(timeout=WAIT_S) for f in resumes]
+        assert all(f.result(timeout=WAIT_S).id == handle.id for f in moves)
+    assert all(r.token_ids == expected for r in results)
+    assert cluster.describe(handle.id).token_ids() == context  # one copy, on one worker, whole
+    cluster.release([handle, *(r.handle for r in results)])
+
+
+def test_a_server_attached_to_the_cluster_authorizes_tenants_as_the_one_that_made_the_handle(cluster, ray_nodes):
+    from fastapi.testclient import TestClient
+    from kvbaton.backend.server import create_app
+    from kvbaton.backend.tenants import TenantPartition
+    from server_fixtures import ServerProcess
+
+    tokens = ["ray-tenant-a", "ray-tenant-b"]
+    attached = ServerProcess(["--attach", CLUSTER_NAME, "--ray-address", ray_nodes.address,
+                              *(f for t in tokens for f in ("--token", t))], token=tokens[0])
+    try:
+        attached.start()
+        a = {"Authorization": "Bearer ray-tenant-a"}
+        b = {"Authorization": "Bearer ray-tenant-b"}
+        with TestClient(create_app(cluster, token=tokens)) as first, attached.http() as there:
+            made = first.post("/v1/kv/materialize", json={"context": "Tenant A's notes."}, headers=a)
+            assert made.status_code == 200, made.text
+            hid = made.json()["id"]
+            resume = {"handle": hid, "suffix": " more", "max_tokens": 2}
+            assert there.post("/v1/kv/resume", json=resume, headers=b).status_code == 404  # not B's to see
+            with attached.http(token="") as anonymous:
+                assert anonymous.post("/v1/kv/materialize", json={"context": "x"}).status_code == 401
+            answer = there.post("/v1/kv/resume", json=resume, headers=a)
+            assert answer.status_code == 200, answer.text
+            child = answer.json()["handle"]["id"]  # made through the attached server: A's on the first too
+            assert first.post("/v1/kv/resume", json={**resume, "handle": child}, headers=b).status_code == 404
+            again = first.post("/v1/kv/resume", json={**resume, "handle": child}, headers=a)
+            assert again.status_code == 200, again.text
+            ids = [hid, child, again.json()["handle"]["id"]]
+            assert there.post("/v1/kv/release", json={"handles": ids}, headers=a).status_code == 200
+            assert first.post("/v1/kv/resume", json=resume, headers=a).status_code == 410  # released, elsewhere
+    finally:
+        attached.stop()
+        cluster.partition_tenants(TenantPartition())
+    assert cluster.healthy()[0]  # a server that attached leaves the cluster running when it stops
+
+
 def test_killed_worker_stream_finishes_elsewhere_then_the_worker_rejoins(client, cluster, reference, corpus_tokens):
     victim = 1
     context = corpus_tokens[900:1000]
@@ -404,14 +491,14 @@ def test_killed_worker_stream_finishes_elsewhere_then_the_worker_rejoins(client,
     assert result.token_ids == dense_greedy(reference, context + SUFFIX, GREEDY.max_tokens)[0]
 
     # Ray restarts the actor; it rejoins with the handle its journal kept, and serves again.
-    until(lambda: cluster.workers[victim].alive, "the restarted worker rejoined")
-    assert cluster.workers[victim].pid != old_pid and cluster.healthy() == (True, "ok")
+    until(lambda: cluster.stats().cluster.workers[victim].alive, "the restarted worker rejoined")
+    assert cluster.stats().cluster.workers[victim].pid != old_pid and cluster.healthy() == (True, "ok")
     assert cluster.describe(kept.id).placement.worker == victim
     out = client.resume(kept, SUFFIX, sampling=GREEDY)
     assert out.handle.placement.worker == victim
     assert out.token_ids == dense_greedy(reference, corpus_tokens[1000:1060] + SUFFIX, GREEDY.max_tokens)[0]
     # It left the gloo group (which takes no new member): moves to it go through the object store.
-    assert victim not in cluster._router.mover.group.members
+    assert cluster.stats().cluster.workers[victim].collective is False
     if result.handle.placement.worker == victim:
         cluster.transfer(result.handle, 0, method="transfer")
     back = cluster.transfer(result.handle, victim, method="transfer")

@@ -4,67 +4,56 @@
 (:class:`..hosting.HostedEngine`) as :class:`~kvbaton.backend.Engine` does, so ``kvbaton serve
 --devices cpu,cpu`` and ``EmbeddedClient(engine=Cluster(...))`` work unchanged. Every worker is a Ray
 actor (:mod:`.worker`) running an engine of the cluster's one :class:`..config.EngineConfig` on its
-own device, placed by a placement group (:mod:`.launch`); requests carry their tenant to the workers
-(:class:`..tenants.AgentRef`). The cluster:
+own device; the workers, the handle table and the placement of requests belong to the cluster's
+**control** (:mod:`.control`). For each request the ingress:
 
-- routes each request (:mod:`.routing`, :mod:`.placement`): to the handle's worker, or the worker
-  with the longest cached prefix, balanced by queue length; the request then goes to that actor
-  directly, and a stream's chunks come from it to the reader directly (:mod:`.remote`);
-- brings a handle to another worker when placement or an explicit :meth:`transfer` asks, by KV
-  transfer (:mod:`.transfer`: the collective group formed inside the actors, or Ray's object store)
-  or by recompute from lineage, whichever the calibrated cost model (:mod:`.costmodel`) predicts
-  cheaper; transfers run in parallel; the decision, predicted and actual times go into ``stats().cluster``;
-- survives worker failures with Ray: an actor that dies is restarted by Ray and rejoins
-  (:mod:`.liveness`: also a hung actor is killed, so that Ray restarts it); requests in flight on it
-  are run again elsewhere (a stream that already sent text is continued only when its sampling is
-  deterministic, :mod:`.streams`), and handles that lived only there are recomputed from their
-  lineage on next use, or live there again when it comes back with them (persistence: each worker
-  keeps its own journal, and the handle table is rebuilt from the workers' journals at start and at
-  every rejoin); ``healthy`` reports the cluster degraded while a worker is down.
+- opens a ticket at the control (:mod:`.routing`): the worker that runs it, the handle's worker or
+  the one with the longest cached prefix, balanced by load; the control first brings the handles
+  there when placement says so (KV transfer or recompute, as the calibrated cost model predicts cheaper);
+- calls that worker's actor itself, and reads a stream's chunks from it directly (:mod:`.remote`):
+  tokens never pass through the control;
+- ends the ticket with the handles the request made (and their tenant), or runs it again elsewhere
+  when its worker died (a stream that already sent text only when its sampling is deterministic,
+  :mod:`.streams`).
 
-STE hints, registered agents and the tenant partition go to every worker, and again to a worker
-that rejoins. The measurements for the cost model live in :mod:`.calibration`.
+One ingress runs its control in its own process. With ``name`` the control is a named Ray actor
+instead, and :meth:`Cluster.attach` gives other processes (other ``kvbaton serve --attach NAME``) an
+ingress over the same workers and handles: no request or token stream then passes through one process.
+Requests carry their tenant to the workers (:class:`..tenants.AgentRef`) and to the control, which
+records the tenant of each handle, so that every ingress authorizes as the one that made it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 try:
-    import ray  # noqa: F401 - the backend's one dependency beyond the engine's
+    import ray  # the backend's one dependency beyond the engine's
 except ImportError as exc:  # pragma: no cover - the cluster and test extras install it
     raise ImportError("multi-device serving runs its workers on Ray: pip install 'kvbaton[cluster]'") from exc
 from kvbaton.capabilities import KVBATON, Capabilities
-from kvbaton.errors import HandleNotFound, HandleReleased, IncompatibleHandle, InvalidRequest, ServerError
+from kvbaton.errors import InvalidRequest, ServerError
 from kvbaton.handle import Handle, Segment
 from kvbaton.ops import Context, HandleLike, check_reuse, ste_map
 from kvbaton.stream import TokenStream
 from kvbaton.types import AgentInfo, Composition, Events, Result, Reuse, SamplingParams, Stats, StreamChunk
 
 from ..config import EngineConfig
-from ..dirs import cache_dir
-from ..events import EventRing, check_since
-from ..handles import Identity
-from ..hosting import HEALTHY, ConfiguredEngine, check_partition
-from ..tenants import Agent, TenantPartition
+from ..handles import Identity, handle_id
+from ..hosting import ConfiguredEngine, check_partition
+from ..tenants import Agent, AgentRef, TenantPartition
 from . import launch
-from .calibration import measure_call_overhead, measure_link, measure_prefill
-from .costmodel import PREFILL_PROBE_TOKENS, Calibration, CostModel, load_cached, store_cached
-from .liveness import DEFAULT_TIMEOUT_S, Liveness
-from .moves import Mover
-from .placement import Placer
-from .remote import LOST_ERRORS, WorkerLost, WorkerRef, answer
-from .routing import Router
-from .stats import cluster_stats
+from .control import CONTROL_PREFIX, Control, ControlActor, Joined, RemoteControl
+from .costmodel import PREFILL_PROBE_TOKENS, Calibration
+from .liveness import DEFAULT_TIMEOUT_S
+from .remote import WorkerLost, WorkerRef
+from .routing import Ticket
 from .streams import recomputing_stream
-from .worker import Worker
+from .worker import handles_of
 
 if TYPE_CHECKING:
     from ..cache.persist import Persistence
@@ -72,18 +61,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
+CONTROL_TIMEOUT_S = 900.0  # a control call waits at most a lease (300 s) and a move: never forever
 TRANSPORTS = ("auto", "collective", "object-store")
 
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the server reads of ``engine.loaded``."""
-
-    name: str
-    fingerprint: str
-    tokenizer_fingerprint: str
-    max_context: int
-    vocab_size: int
+T = TypeVar("T")
 
 
 class Cluster(ConfiguredEngine):
@@ -95,7 +76,8 @@ class Cluster(ConfiguredEngine):
     (``auto``: the collective group where every worker has a GPU of its own, NCCL, else Ray's object
     store; ``collective``: a group always, gloo on CPU; ``object-store``). ``placement_strategy``:
     the placement group's (``PACK`` by default; ``STRICT_SPREAD``: one worker per node).
-    ``heartbeat_timeout``: a worker answering no liveness ping for this long is restarted."""
+    ``heartbeat_timeout``: a worker answering no liveness ping for this long is restarted. ``name``:
+    other processes may serve this cluster too (:meth:`attach`); it lives as long as this object."""
 
     def __init__(
         self,
@@ -117,6 +99,7 @@ class Cluster(ConfiguredEngine):
         heartbeat_timeout: float = DEFAULT_TIMEOUT_S,
         max_restarts: int = launch.DEFAULT_MAX_RESTARTS,
         gpu_share: float = 1.0,
+        name: str | None = None,
     ) -> None:
         overrides = {"model": model, **(engine_options or {})} if model is not None else dict(engine_options or {})
         self.config = EngineConfig.build(config, **overrides)
@@ -129,116 +112,88 @@ class Cluster(ConfiguredEngine):
         devices = list(devices)
         if not devices:
             raise InvalidRequest("a cluster needs at least one device")
-        self.devices = devices
-        self.bandwidth_cap = bandwidth_cap
-        self.costs = CostModel()
-        # The workers' events, merged here as they are read (each tagged with its worker's rank).
-        self.event_ring = EventRing()
-        self._event_cursors: dict[int, int] = {}
-        self._events_lock = threading.Lock()
-        # What every worker must have, again after a restart: the tenant partition, agents, hints.
-        self._replay_lock = threading.Lock()
-        self._partition = TenantPartition()
-        self._agents: dict[str, tuple[Any, bool]] = {}
-        self._hints: dict[str, float] | None = None
-        self.workers: list[WorkerRef] = []  # by rank
-        self._router = Router(Placer(slack=balance_slack), self.workers)
-        self._liveness = Liveness(self.workers, heartbeat_timeout, self._rejoin)
-        self._pg = None
-        self._started_ray = launch.connect(ray_address, devices)
-        try:
-            self._pg = launch.reserve(devices, placement_strategy, startup_timeout, gpu_share)
-            args = (self.config.to_json(), bandwidth_cap, worker_log_level, str(cache_dir()))
-            for rank, device in enumerate(devices):
-                actor = launch.start_worker(Worker, self._pg, rank, device, args=(rank, device, *args),
-                                            threads=worker_threads, max_restarts=max_restarts, gpu_share=gpu_share)
-                self.workers.append(WorkerRef(rank, device, actor, self._router.worker_lost))
-            import ray
-
-            infos = ray.get([w.actor.info.remote() for w in self.workers], timeout=startup_timeout)
-            for w, info in zip(self.workers, infos, strict=True):
-                w.joined(info)
-        except BaseException:
-            self.close()
-            raise
-        first = self.workers[0].info
-        for w in self.workers[1:]:
-            if w.info["fingerprint"] != first["fingerprint"] or w.info["block_size"] != first["block_size"]:
+        options: dict[str, Any] = {
+            "ray_address": ray_address, "transport": transport, "placement_strategy": placement_strategy,
+            "bandwidth_cap": bandwidth_cap, "calibrate": calibrate,
+            "calibration_cache": os.fspath(calibration_cache) if calibration_cache is not None else None,
+            "balance_slack": balance_slack, "worker_log_level": worker_log_level, "worker_threads": worker_threads,
+            "startup_timeout": startup_timeout, "heartbeat_timeout": heartbeat_timeout,
+            "max_restarts": max_restarts, "gpu_share": gpu_share,
+        }
+        self.name = name
+        self._actor: Any = None
+        self._started_ray = False
+        if name is None:
+            self._control: Any = Control(self.config, devices, **options)
+        else:
+            self._started_ray = launch.connect(ray_address, devices)
+            try:
+                self._actor = ControlActor.options(
+                    name=CONTROL_PREFIX + name, namespace=launch.NAMESPACE, runtime_env=launch.runtime_env(None),
+                ).remote(self.config.to_json(), devices, {**options, "ray_address": None}, worker_log_level)
+            except ValueError as exc:  # Ray: the name is taken
                 self.close()
-                raise IncompatibleHandle(
-                    f"worker {w.rank} runs model fingerprint {w.info['fingerprint']} / block size "
-                    f"{w.info['block_size']}, worker 0 {first['fingerprint']} / {first['block_size']}: "
-                    "every worker must serve the same model, dtype and block size"
-                )
-        self.loaded = ModelInfo(
-            name=first["model"], fingerprint=first["fingerprint"],
-            tokenizer_fingerprint=first.get("tokenizer_fingerprint", ""),
-            max_context=first["max_context"], vocab_size=first["vocab_size"],
-        )
-        self._router.table.identity = Identity(self.loaded.name, self.loaded.fingerprint, where="this server")
-        self.block_size: int = first["block_size"]
-        self.bytes_per_block: int = first["bytes_per_block"]
-        self._router.mover = Mover(self.costs, self.block_size, self.bytes_per_block)
-        for w in self.workers:  # persistence: the handles the workers kept from an earlier run
-            self._release_stale(w, self._router.rejoined(w.rank, w.call("held")))
+                raise InvalidRequest(f"a kvbaton cluster named {name!r} already runs on this Ray cluster: "
+                                     "attach to it, or choose another name", param="name") from exc
+            self._control = RemoteControl(self._actor, CONTROL_TIMEOUT_S)
         try:
-            self._router.mover.group = launch.form_group(self.workers, self.devices, transport)
+            self._join(self._control.joined())
         except BaseException:
             self.close()
             raise
-        path = cache_dir() / "calibration.json" if calibration_cache == "default" else (
-            Path(calibration_cache) if calibration_cache else None
-        )
-        self._calibration_path = path
-        if calibrate and len(self.workers) > 1:
-            self.calibrate()
-        self._liveness.start()
-        log.info("cluster ready: %d workers on %s (nodes %s, KV transport %s)", len(self.workers),
-                 ", ".join(w.device for w in self.workers), sorted({w.info["node_ip"] for w in self.workers}),
-                 self.transport)
+
+    @classmethod
+    def attach(cls, name: str, *, ray_address: str | None = None, config: EngineConfig | None = None,
+               timeout: float = 60.0) -> Cluster:
+        """Another ingress over the cluster started as ``Cluster(..., name=name)`` (``kvbaton serve
+        --cluster-name NAME``) on the Ray cluster at ``ray_address`` (None: the one this process is
+        connected to, else ``auto``). Closing it leaves the cluster running."""
+        self = cls.__new__(cls)
+        self.config = EngineConfig.build(config)
+        self.name = name
+        self._started_ray = False
+        if not ray.is_initialized():
+            ray.init(address=ray_address or "auto", namespace=launch.NAMESPACE, log_to_driver=False,
+                     **({} if (ray_address or "").startswith("ray://") else {"include_dashboard": False}))
+            self._started_ray = True
+        try:
+            actor = ray.get_actor(CONTROL_PREFIX + name, namespace=launch.NAMESPACE)
+        except ValueError as exc:
+            self._actor = None
+            self.close()
+            raise InvalidRequest(f"no kvbaton cluster named {name!r} on this Ray cluster: start one with "
+                                 f"kvbaton serve --devices ... --cluster-name {name}") from exc
+        self._actor = None  # not ours: closing this ingress leaves it running
+        self._control = RemoteControl(actor, timeout)
+        try:
+            self._join(self._control.joined())
+        except BaseException:
+            self.close()
+            raise
+        self._control.timeout = CONTROL_TIMEOUT_S
+        return self
+
+    def _join(self, joined: Joined) -> None:
+        self.loaded = joined.model
+        self.block_size = joined.block_size
+        self.bytes_per_block = joined.bytes_per_block
+        self.tenant_salt = joined.tenant_salt
+        self._identity = Identity(self.loaded.name, self.loaded.fingerprint, where="this server")
+        if isinstance(self._control, Control):
+            self.workers = self._control.workers  # the control's own: it watches them
+        else:  # this process's view: down when a call here fails, alive again when the control places on it
+            self.workers = []
+            for rank, device, actor, info, alive in joined.workers:
+                w = WorkerRef(rank, device, actor, lambda _w: None)
+                w.info, w.alive = info, alive
+                self.workers.append(w)
+        self.devices = [w.device for w in self.workers]
+        self._next_any = 0
+        self._any_lock = threading.Lock()
 
     @property
     def transport(self) -> str:
-        group = self._router.mover.group if self._router.mover is not None else None
-        return f"collective ({group.backend})" if group is not None else "object store"
-
-    def _rejoin(self, worker: WorkerRef) -> None:
-        """Ray restarted ``worker``: it gets what every worker has (partition, agents, hints, link
-        pacing), leaves the collective group (which takes no new member), and serves again with the
-        handles it kept (persistence)."""
-        import ray
-
-        try:
-            info = ray.get(worker.actor.info.remote(), timeout=60)
-        except (ray.exceptions.GetTimeoutError, *LOST_ERRORS):
-            return  # still restarting: the next answer to a ping tries again
-        with self._replay_lock:
-            reply = worker.actor.call
-            answer(ray.get(reply.remote("partition_tenants", (self._partition,))))
-            for name, (prompt, prefill) in self._agents.items():
-                answer(ray.get(reply.remote("register_agent", (name, prompt), {"prefill": prefill})))
-            if self._hints is not None:
-                answer(ray.get(reply.remote("hints", (self._hints,))))
-            if self.bandwidth_cap:
-                answer(ray.get(reply.remote("set_bandwidth_cap", (self.bandwidth_cap,))))
-            held = answer(ray.get(reply.remote("held")))
-        group = self._router.mover.group if self._router.mover is not None else None
-        if group is not None:
-            group.members.discard(worker.rank)
-        worker.restarts += 1
-        with self._events_lock:  # a new engine numbers its events from the start again
-            self._event_cursors.pop(worker.rank, None)
-        worker.joined(info)
-        self._release_stale(worker, self._router.rejoined(worker.rank, held))
-        log.warning("worker %d (%s) rejoined (pid %s, node %s) with %d handles", worker.rank, worker.device,
-                    info["pid"], info["node_ip"], len(held))
-
-    def _release_stale(self, worker: WorkerRef, ids: list[str]) -> None:
-        if ids:
-            try:
-                worker.call("release", ids)
-            except (WorkerLost, HandleNotFound, HandleReleased):
-                pass
+        return str(self._control.transport())
 
     @property
     def max_context(self) -> int | None:
@@ -248,13 +203,8 @@ class Cluster(ConfiguredEngine):
     def healthy(self) -> tuple[bool, str]:
         """Serves while at least one worker is alive; degraded (the reason names the workers down and
         why) while some are not."""
-        down = [w for w in self.workers if not w.alive]
-        if len(down) == len(self.workers):
-            return False, f"every worker is down (0 of {len(self.workers)} alive)"
-        if down:
-            why = "; ".join(f"worker {w.rank} ({w.device}) {w.lost_reason or 'died'}" for w in down)
-            return True, f"degraded: {len(self.workers) - len(down)} of {len(self.workers)} workers alive; {why}"
-        return True, HEALTHY
+        ok, why = self._control.healthy()
+        return bool(ok), str(why)
 
     def capabilities(self) -> Capabilities:
         """Every worker runs kvbaton's own engine."""
@@ -271,100 +221,101 @@ class Cluster(ConfiguredEngine):
     def partition_tenants(self, partition: TenantPartition) -> None:
         """Keep tenants apart on every worker (see :meth:`Engine.partition_tenants`)."""
         check_partition(self, partition, self.partitionable)
-        with self._replay_lock:
-            self._partition = partition
-            self._broadcast("partition_tenants", partition)
+        self._control.partition_tenants(partition)
 
     @property
     def persistence(self) -> Persistence | None:
         """None: the server keeps no journal of a cluster's tenants. With ``persist`` each worker keeps its
         own (its handles survive a restart of its actor, and of the cluster: the handle table is rebuilt
-        from the workers), but which tenant owns a handle does not survive a restart of the ingress."""
+        from the workers), but which tenant owns a handle does not survive a restart of the control."""
         return None
 
-    # -- calibration ----------------------------------------------------------------------------
-    def _calibration_key(self) -> str:
-        return json.dumps({
-            "model": self.loaded.fingerprint, "devices": [w.device for w in self.workers],
-            "hosts": [w.info.get("node_ip") for w in self.workers], "block_size": self.block_size,
-            "cap": self.bandwidth_cap, "transport": self.transport,
-        }, sort_keys=True)
+    def handle_owner(self, hid: str) -> tuple[str | None, int] | None:
+        """(the tenant that made it, its tokens) of a live handle of the cluster, whichever ingress made
+        it; None for an id not live. A server asks it of a handle it did not make (several ingresses)."""
+        owner = self._control.owner_of(hid)
+        return (owner[0], int(owner[1])) if owner is not None else None
 
+    # -- calibration ----------------------------------------------------------------------------
     def calibrate(self, force: bool = False, prefill_tokens: Sequence[int] = PREFILL_PROBE_TOKENS) -> Calibration:
         """Measure (or load from the cache) link latency/bandwidth and each worker's prefill speed (probed
         at ``prefill_tokens`` fresh tokens)."""
-        key = self._calibration_key()
-        force = force or bool(os.environ.get("KVBATON_RECALIBRATE"))
-        cached = None if force else load_cached(self._calibration_path, key)
-        if cached is not None and set(cached.prefill_per_token_s) >= {w.rank for w in self.workers}:
-            self.costs.calibration = cached
-            return cached
-        latency, bandwidth = self._measure_link()
-        overhead = measure_call_overhead(self.workers[0])
-        fixed, per_token = measure_prefill(self._router.live_workers(), prefill_tokens)
-        cal = Calibration(latency, bandwidth, overhead, fixed, per_token)
-        self.costs.calibration = cal
-        store_cached(self._calibration_path, key, cal)
-        log.info("calibrated: latency %.2f ms, bandwidth %.1f MB/s, prefill %s tokens/s", latency * 1e3,
-                 bandwidth / 1e6, {r: round(1 / v) if v else None for r, v in per_token.items()})
-        return cal
-
-    def _measure_link(self) -> tuple[float, float]:
-        live = self._router.live_workers()
-        group = self._router.mover.group if self._router.mover is not None else None
-        collective = group is not None and group.joins(live[0].rank, live[1].rank)
-        return measure_link(live[0], live[1], collective, self.bandwidth_cap, self.bytes_per_block)
+        return self._control.calibrate(force, tuple(prefill_tokens))  # type: ignore[no-any-return]
 
     def set_bandwidth_cap(self, cap: float | None) -> Calibration:
         """Pace KV sends at ``cap`` bytes/s (None: unpaced) and re-measure the link (tests, benchmarks)."""
-        for w in self._router.live_workers():
-            w.call("set_bandwidth_cap", cap)
-        self.bandwidth_cap = cap
-        latency, bandwidth = self._measure_link()
-        cal = self.costs.calibration or Calibration(latency, bandwidth, 0.0)
-        cal.latency_s, cal.bandwidth_bytes_per_s = latency, bandwidth
-        self.costs.calibration = cal
-        return cal
+        return self._control.set_bandwidth_cap(cap)  # type: ignore[no-any-return]
 
-    # -- operators ------------------------------------------------------------------------------
+    def predict_recompute(self, rank: int, tokens: int) -> float:
+        """The cost model's prediction of a recompute of ``tokens`` fresh tokens on worker ``rank``."""
+        return float(self._control.predict_recompute(rank, tokens))
+
+    # -- requests: a ticket at the control, the call on the worker --------------------------------------
+    def _hid(self, handle: HandleLike) -> str:
+        return handle_id(handle, self._identity)
+
+    def _placed(self, ticket: Ticket) -> WorkerRef:
+        worker = self.workers[ticket.rank]
+        if not worker.alive:
+            worker.revive()  # the control, which watches the workers, placed it here
+        return worker
+
+    def _start(self, begin: Callable[[], Ticket], call: Callable[[WorkerRef, Ticket], T]) -> tuple[Ticket, WorkerRef, T]:
+        """Open a ticket and run ``call`` on its worker; again on another worker when this one died (that
+        ticket failed). The ticket returned is open: the caller ends it."""
+        for _ in range(len(self.workers) + 1):
+            ticket = begin()
+            worker = self._placed(ticket)
+            try:
+                return ticket, worker, call(worker, ticket)
+            except WorkerLost:
+                self._control.failed(ticket, True)
+            except BaseException:
+                self._control.failed(ticket, False)
+                raise
+        raise ServerError("no worker could serve the request")
+
+    def _run(self, begin: Callable[[], Ticket], call: Callable[[WorkerRef, Ticket], T], agent: Agent | None) -> T:
+        """A request on the worker its ticket names, the ticket ended with the handles it made."""
+        ticket, _, out = self._start(begin, call)
+        self._control.done(ticket, list(handles_of(out)), _tenant(agent))
+        return out
+
+    def _on_handle(self, handle: HandleLike) -> Callable[[], Ticket]:
+        hid = self._hid(handle)
+        return lambda: self._control.begin_on_handle(hid)  # type: ignore[no-any-return]
+
+    def _on_handles(self, handles: Iterable[HandleLike]) -> Callable[[], Ticket]:
+        hids = sorted({self._hid(h) for h in handles})
+        return lambda: self._control.begin_on_handles(hids)  # type: ignore[no-any-return]
+
+    def _anywhere(self, tokens: Any) -> Callable[[], Ticket]:
+        prompt = tokens if isinstance(tokens, list) else None
+        return lambda: self._control.begin_anywhere(prompt)  # type: ignore[no-any-return]
+
     def _prompt_tokens(self, context: Any) -> Any:
         """Token ids of text (tokenized on a worker), so that routing can match prefixes."""
-        if isinstance(context, str) and len(self._router.live_workers()) > 1:
+        if isinstance(context, str) and len(self.workers) > 1:
             return self.tokenize(context)
         return context
 
     def materialize(self, context: Any, *, agent: Agent | None = None) -> Handle:
         tokens = self._prompt_tokens(context)
-
-        def run(w: WorkerRef) -> Handle:
-            handle: Handle = w.call("materialize", tokens, agent=agent)
-            self._router.record(w.rank, [handle])
-            return handle
-
-        return self._router.anywhere(tokens if isinstance(tokens, list) else None, run)
+        return self._run(self._anywhere(tokens), lambda w, t: w.call("materialize", tokens, agent=agent), agent)
 
     def extend(self, handle: Handle | str, context: Any, *, agent: Agent | None = None) -> Handle:
-        def run(w: WorkerRef, hid: str) -> Handle:
-            new: Handle = w.call("extend", hid, context, agent=agent)
-            self._router.record(w.rank, [new])
-            return new
-
-        return self._router.on_handle(handle, run)
+        return self._run(self._on_handle(handle), lambda w, t: w.call("extend", t.hids[0], context, agent=agent),
+                         agent)
 
     def fork(self, handle: Handle | str, k: int = 2) -> list[Handle]:
-        def run(w: WorkerRef, hid: str) -> list[Handle]:
-            children: list[Handle] = w.call("fork", hid, k)
-            self._router.record(w.rank, children)
-            return children
-
-        return self._router.on_handle(handle, run)
+        return self._run(self._on_handle(handle), lambda w, t: w.call("fork", t.hids[0], k), None)
 
     def transfer(self, handle: Handle | str, device: int | str, *, method: str = "auto") -> Handle:
         """Move ``handle`` to the worker ``device`` (a rank, or a device name that is unique), by KV
         transfer or recompute as the cost model chooses; ``method="transfer"``/``"recompute"`` forces one."""
         if method not in ("auto", "transfer", "recompute"):
             raise InvalidRequest(f"method must be 'auto', 'transfer' or 'recompute', got {method!r}")
-        return self._router.transfer(handle, device, method)
+        return self._control.transfer(self._hid(handle), device, method)  # type: ignore[no-any-return]
 
     def compose(self, prefix: Handle | Context | None = None, segments: Sequence[Segment | Handle] = (),
                 suffix: Context | None = None, *, agent: Agent | None = None, mode: str = "auto",
@@ -373,38 +324,25 @@ class Cluster(ConfiguredEngine):
         refs = [s if isinstance(s, Handle) else s.handle for s in segments]
         if isinstance(prefix, Handle):
             refs.append(prefix)
-
-        def run(w: WorkerRef) -> Composition:
-            out: Composition = w.call("compose", prefix, list(segments), suffix, agent=agent, mode=mode,
-                                      correction=correction)
-            self._router.record(w.rank, [out.handle])
-            return out
-
-        return self._router.on_handles(refs, run)
+        return self._run(self._on_handles(refs), lambda w, t: w.call(
+            "compose", prefix, list(segments), suffix, agent=agent, mode=mode, correction=correction), agent)
 
     def merge(self, parts: Sequence[Segment | Handle], *, agent: Agent | None = None, mode: str = "auto",
               correction: Mapping[str, Any] | None = None) -> Composition:
         correction = _plain(correction)
         refs = [p if isinstance(p, Handle) else p.handle for p in parts]
-
-        def run(w: WorkerRef) -> Composition:
-            out: Composition = w.call("merge", list(parts), agent=agent, mode=mode, correction=correction)
-            self._router.record(w.rank, [out.handle])
-            return out
-
-        return self._router.on_handles(refs, run)
+        return self._run(self._on_handles(refs), lambda w, t: w.call(
+            "merge", list(parts), agent=agent, mode=mode, correction=correction), agent)
 
     def fidelity(self, handle: Handle | str, max_tokens: int = 32, *, reference: Handle | str | None = None) -> Any:
         refs = [handle] if reference is None else [handle, reference]
-        hid = self._router.hid
-        return self._router.on_handles(refs, lambda w: w.call(
-            "fidelity", hid(handle), max_tokens, reference=None if reference is None else hid(reference)
-        ))
+        hid = self._hid(handle)
+        ref = None if reference is None else self._hid(reference)
+        return self._run(self._on_handles(refs), lambda w, t: w.call("fidelity", hid, max_tokens, reference=ref),
+                         None)
 
     def describe(self, handle: HandleLike) -> Handle:
-        placed = self._router.known(self._router.hid(handle))
-        with self._router.lock:
-            return placed.meta
+        return self._control.describe(self._hid(handle))  # type: ignore[no-any-return]
 
     def resume(self, handle: Handle | str, suffix: Any = "", sampling: SamplingParams | None = None, *,
                agent: Agent | None = None) -> Result:
@@ -413,9 +351,8 @@ class Cluster(ConfiguredEngine):
     def resume_stream(self, handle: Handle | str, suffix: Any = "", sampling: SamplingParams | None = None, *,
                       agent: Agent | None = None) -> TokenStream:
         params = sampling or SamplingParams()
-        return self._stream(params, lambda: self._router.on_handle(
-            handle, lambda w, hid: (w, w.stream("resume_stream", hid, suffix, params, agent=agent))
-        ))
+        return self._stream(params, self._on_handle(handle), agent, lambda w, t: w.stream(
+            "resume_stream", t.hids[0], suffix, params, agent=agent))
 
     def complete(self, prompt: Any, sampling: SamplingParams | None = None, *, agent: Agent | None = None,
                  reuse: Reuse | None = None) -> Result:
@@ -427,10 +364,8 @@ class Cluster(ConfiguredEngine):
         check_reuse(reuse)
         params = sampling or SamplingParams()
         tokens = self._prompt_tokens(prompt)
-        return self._stream(params, lambda: self._router.anywhere(
-            tokens if isinstance(tokens, list) else None,
-            lambda w: (w, w.stream("complete_stream", tokens, params, agent=agent, reuse=reuse)),
-        ))
+        return self._stream(params, self._anywhere(tokens), agent, lambda w, t: w.stream(
+            "complete_stream", tokens, params, agent=agent, reuse=reuse))
 
     def generate(self, messages: Any, *, handle: Handle | str | None = None, sampling: SamplingParams | None = None,
                  tools: list[dict[str, Any]] | None = None, agent: Agent | None = None,
@@ -445,52 +380,47 @@ class Cluster(ConfiguredEngine):
         check_reuse(reuse)
         params = sampling or SamplingParams()
         if handle is not None:
-            return self._stream(params, lambda: self._router.on_handle(
-                handle, lambda w, hid: (w, w.stream(
-                    "generate_stream", messages, handle=hid, sampling=params, tools=tools, agent=agent, reuse=reuse
-                ))
-            ))
-        tokens = self.chat_tokens(messages, tools=tools) if len(self._router.live_workers()) > 1 else None
-        return self._stream(params, lambda: self._router.anywhere(tokens, lambda w: (w, w.stream(
-            "generate_stream", messages, sampling=params, tools=tools, agent=agent, reuse=reuse
-        ))))
+            return self._stream(params, self._on_handle(handle), agent, lambda w, t: w.stream(
+                "generate_stream", messages, handle=t.hids[0], sampling=params, tools=tools, agent=agent,
+                reuse=reuse))
+        tokens = self.chat_tokens(messages, tools=tools) if len(self.workers) > 1 else None
+        return self._stream(params, self._anywhere(tokens), agent, lambda w, t: w.stream(
+            "generate_stream", messages, sampling=params, tools=tools, agent=agent, reuse=reuse))
 
-    def _stream(
-        self, params: SamplingParams, start: Callable[[], tuple[WorkerRef, Iterator[StreamChunk | Result]]]
-    ) -> TokenStream:
+    def _stream(self, params: SamplingParams, begin: Callable[[], Ticket], agent: Agent | None,
+                call: Callable[[WorkerRef, Ticket], Iterator[StreamChunk | Result]]) -> TokenStream:
+        owner = _tenant(agent)
+
+        def start() -> tuple[WorkerRef, Iterator[StreamChunk | Result]]:
+            ticket, worker, items = self._start(begin, call)
+            self._control.started(ticket)  # admitted: its handles may move again
+            return worker, _Ticketed(items, ticket, self._control, owner)
+
         def retried(worker: WorkerRef) -> None:
-            self._router.retries += 1
             log.warning("worker %d died during a stream; re-running it elsewhere", worker.rank)
 
-        return recomputing_stream(params, start, lambda w, h: self._router.record(w.rank, [h]), retried)
+        return recomputing_stream(params, start, retried)
 
     def release(self, handles: Handle | str | Iterable[Handle | str]) -> None:
-        for rank, ids in self._router.release(handles).items():  # all or nothing
-            worker = self.workers[rank]
-            if worker.alive:
-                try:
-                    worker.call("release", ids)
-                except (WorkerLost, HandleNotFound, HandleReleased):
-                    pass
+        items = [handles] if isinstance(handles, Handle | str) else list(handles)
+        self._control.release([self._hid(h) for h in items])  # all or nothing
 
     # -- whole-cluster calls ----------------------------------------------------------------------
     def _any(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._router.anywhere(None, lambda w: w.call(method, *args, **kwargs))
-
-    def _broadcast(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """The first live worker's answer to a call made on every live worker."""
-        answers = self._gather(method, *args, **kwargs)
-        return answers[0] if answers else None
-
-    def _gather(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Every live worker's answer to the call (those lost meanwhile give none)."""
-        out = []
-        for w in self._router.live_workers():
-            try:
-                out.append(w.call(method, *args, **kwargs))
-            except WorkerLost:
-                continue
-        return out
+        """A call any worker answers alike (tokenizer): the next live one in turn, another if it died."""
+        for _ in range(2):
+            live = [w for w in self.workers if w.alive]
+            for _ in range(len(live)):
+                with self._any_lock:
+                    worker = live[self._next_any % len(live)]
+                    self._next_any += 1
+                try:
+                    return worker.call(method, *args, **kwargs)
+                except WorkerLost:
+                    continue
+            for rank in self._control.alive():  # this process's view may lag the control's
+                self.workers[rank].revive()
+        raise ServerError("every worker is down")
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._any("tokenize", text))
@@ -503,91 +433,96 @@ class Cluster(ConfiguredEngine):
         return list(self._any("chat_tokens", messages, tools=tools, add_generation_prompt=add_generation_prompt))
 
     def register_agent(self, name: str, fixed_prompt: Any, *, prefill: bool = False) -> AgentInfo:
-        with self._replay_lock:
-            info: AgentInfo = self._broadcast("register_agent", name, fixed_prompt, prefill=prefill)
-            self._agents[str(name)] = (fixed_prompt, prefill)
-        return info
+        return self._control.register_agent(name, fixed_prompt, prefill)  # type: ignore[no-any-return]
 
     def unregister_agent(self, name: str) -> bool:
-        with self._replay_lock:
-            self._agents.pop(str(name), None)
-            return any(self._gather("unregister_agent", name))
+        return bool(self._control.unregister_agent(name))
 
     def hints(
         self, steps: Mapping[str, float] | Any, *, running: Iterable[str] = (), finished: Iterable[str] = ()
     ) -> dict[str, float]:
-        # Every worker gets every hint: each evicts and prefetches its own blocks by the same workflow.
-        steps = ste_map(steps, running, finished)
-        with self._replay_lock:
-            result: dict[str, float] = self._broadcast("hints", steps)
-            self._hints = steps
-        return result
+        return self._control.hints(dict(ste_map(steps, running, finished)))  # type: ignore[no-any-return]
 
     def flush_cache(self) -> None:
-        self._broadcast("flush_cache")
+        self._control.flush_cache()
 
     def stats(self) -> Stats:
-        per: dict[int, Stats] = {}
-        for w in self.workers:
-            if w.alive:
-                try:
-                    per[w.rank] = w.call("stats")
-                except WorkerLost:
-                    pass
-        if not per:
-            raise ServerError("every worker is down")
-        router = self._router
-        return cluster_stats(self.workers, per, router.held(), self.costs, self.bandwidth_cap, router.retries,
-                             len(router.table))
+        return self._control.stats()  # type: ignore[no-any-return]
 
     def events(self, since: int = 0) -> Events:
-        """The workers' events after ``since``, merged in the order the coordinator read them (each
-        with its ``worker`` rank; ``seq`` is the coordinator's). Workers are read on each call: a
-        worker's ring may lose events between two reads, counted in ``dropped``."""
-        check_since(since)
-        with self._events_lock:  # one reader at a time, so no worker event is copied twice
-            dropped = 0
-            for w in self.workers:
-                if not w.alive:
-                    continue
-                try:
-                    page: Events = w.call("events", self._event_cursors.get(w.rank, 0))
-                except WorkerLost:
-                    continue
-                dropped += page.dropped
-                for e in sorted(page.events, key=lambda e: e.time):
-                    self.event_ring.emit(e.kind, **{**e.model_dump(exclude={"seq", "kind"}), "worker": w.rank})
-                self._event_cursors[w.rank] = page.next
-            out = self.event_ring.since(since)
-        return out.model_copy(update={"dropped": out.dropped + dropped})
+        """The workers' events after ``since``, merged in the order the control read them (each with its
+        ``worker`` rank; ``seq`` is the control's, shared by every ingress)."""
+        return self._control.events(since)  # type: ignore[no-any-return]
 
     def kill_worker(self, rank: int) -> None:
         """Kill a worker's process outright (SIGKILL), as a crash would (Ray restarts it): for fault tests."""
-        import signal
-
-        pid = self.workers[rank].pid
-        if pid is not None:
-            os.kill(pid, signal.SIGKILL)
+        self._control.kill_worker(rank)
 
     def close(self) -> None:
-        self._liveness.close()
-        for w in self.workers:
-            w.closing = True
-        import ray
-
-        if ray.is_initialized():  # a clean exit: the engines save what persistence keeps
-            closing = [w.actor.call.remote("close") for w in self.workers if w.alive]
+        """Stop the cluster (its control and workers), or, for an ingress that attached, only this ingress."""
+        control = getattr(self, "_control", None)
+        if isinstance(control, Control):
+            control.close()
+        elif self._actor is not None:
             try:
-                ray.wait(closing, num_returns=len(closing), timeout=60)
+                control.close()  # type: ignore[union-attr]
             except Exception:  # noqa: BLE001 - leaving anyway
                 pass
-        launch.stop([w.actor for w in self.workers], self._pg, self._started_ray)
+            launch.stop([self._actor], None, False)
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+        self._started_ray = False
 
     def __enter__(self) -> Cluster:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Ticketed(Iterator[StreamChunk | Result]):
+    """A worker's stream that ends its ticket at the control when it ends (with the handle its result
+    carries), fails (its worker died: ``lost``) or is closed by its consumer."""
+
+    def __init__(self, items: Iterator[StreamChunk | Result], ticket: Ticket, control: Any, owner: str | None) -> None:
+        self._items, self._ticket, self._control, self._owner = items, ticket, control, owner
+        self._ended = False
+
+    def _end(self, handles: Sequence[Handle] = (), *, failed: bool = False, lost: bool = False) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if failed:
+            self._control.failed(self._ticket, lost)
+        else:
+            self._control.done(self._ticket, list(handles), self._owner)
+
+    def __next__(self) -> StreamChunk | Result:
+        try:
+            item = next(self._items)
+        except StopIteration:
+            self._end()
+            raise
+        except WorkerLost:
+            self._end(failed=True, lost=True)
+            raise
+        except BaseException:
+            self._end(failed=True)
+            raise
+        if isinstance(item, Result):
+            self._end([item.handle] if item.handle is not None else [])
+        return item
+
+    def close(self) -> None:
+        close = getattr(self._items, "close", None)
+        if close is not None:
+            close()
+        self._end()
+
+
+def _tenant(agent: Agent | None) -> str | None:
+    """The tenant of a request's agent (None: none named), the owner of the handles it makes."""
+    return agent.tenant if isinstance(agent, AgentRef) else None
 
 
 def _plain(correction: Mapping[str, Any] | None) -> Any:

@@ -77,16 +77,21 @@ def reserve(devices: Sequence[str], strategy: str, timeout: float, gpu_share: fl
 def start_worker(worker_cls: Any, pg: PlacementGroup, index: int, device: str, *, args: tuple[Any, ...],
                  threads: int | None, max_restarts: int, gpu_share: float = 1.0) -> Any:
     """The actor of worker ``index`` in its bundle (Ray restarts it when it dies)."""
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {}
-    for key in ("KVBATON_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE", "KVBATON_RECALIBRATE"):
-        if key in os.environ:
-            env.setdefault(key, os.environ[key])
     return worker_cls.options(
         num_cpus=1, num_gpus=gpu_share if device.startswith("cuda") else 0,
         max_restarts=max_restarts, max_task_retries=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-        runtime_env={"env_vars": env} if env else None,
+        runtime_env=runtime_env(threads),
     ).remote(*args)
+
+
+def runtime_env(threads: int | None) -> dict[str, Any] | None:
+    """An actor's environment: where this process keeps its caches and model, and ``threads`` for torch."""
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {}
+    for key in ("KVBATON_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE", "KVBATON_RECALIBRATE"):
+        if key in os.environ:
+            env.setdefault(key, os.environ[key])
+    return {"env_vars": env} if env else None
 
 
 def form_group(workers: Sequence[WorkerRef], devices: Sequence[str], transport: str) -> Group | None:

@@ -7,19 +7,18 @@
   with its tokens (its prefix cache likely holds them), unless that worker is overloaded likewise;
   with no useful prefix anywhere, to the least loaded worker.
 
-A worker's load is its queue plus the requests placed on it that have not started yet
-(:meth:`Placer.placing`), so that requests placed at the same moment see each other.
+A worker's load is the requests placed on it and not ended yet (:meth:`Placer.place` to
+:meth:`Placer.done`), whichever ingress runs them, so that requests placed at the same moment see each other.
 
-The ingress remembers a bounded number of recent token sequences per worker; this is a hint
+The router remembers a bounded number of recent token sequences per worker; this is a hint
 about the workers' radix caches, never a correctness input (the engine checks tokens itself).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from kvbaton.handle import common_prefix_length
@@ -30,9 +29,6 @@ RECENT_PER_WORKER = 256
 class Loaded(Protocol):
     rank: int
     alive: bool
-
-    @property
-    def queue(self) -> int: ...
 
 
 L = TypeVar("L", bound=Loaded)
@@ -45,23 +41,23 @@ class Placer:
         self._lock = threading.Lock()
         self._recent: dict[int, deque[tuple[int, ...]]] = {}
         self._placing = threading.Lock()  # one placement decision at a time (each takes microseconds)
-        self._starting: dict[int, int] = {}  # requests placed on a worker, not started there yet
+        self._inflight: dict[int, int] = {}  # requests placed on a worker and not ended yet
 
     def load(self, w: Loaded) -> int:
-        return w.queue + self._starting.get(w.rank, 0)
+        return self._inflight.get(w.rank, 0)
 
-    @contextlib.contextmanager
-    def placing(self, choose: Callable[[], L]) -> Iterator[L]:
-        """The worker ``choose()`` picks, counted in its load until the request has started there
-        (the block's end); two requests placed at once each see the other."""
+    def place(self, choose: Callable[[], L]) -> L:
+        """The worker ``choose()`` picks, counted in its load until :meth:`done`; two requests placed at
+        once each see the other."""
         with self._placing:
             worker = choose()
-            self._starting[worker.rank] = self._starting.get(worker.rank, 0) + 1
-        try:
-            yield worker
-        finally:
-            with self._placing:
-                self._starting[worker.rank] -= 1
+            self._inflight[worker.rank] = self._inflight.get(worker.rank, 0) + 1
+        return worker
+
+    def done(self, rank: int) -> None:
+        """A request placed on worker ``rank`` ended (or never started)."""
+        with self._placing:
+            self._inflight[rank] = max(self._inflight.get(rank, 0) - 1, 0)
 
     def remember(self, rank: int, tokens: Sequence[int]) -> None:
         if not tokens:

@@ -4,14 +4,15 @@ A call waits for the actor's answer (``("ok", value)`` or a typed error, see :mo
 actor dying under it (Ray's ``RayActorError`` and kin) marks the worker down and raises
 :class:`WorkerLost`, which the router answers by running the request elsewhere. A worker that is down
 gets no new requests until the liveness check (:mod:`.liveness`) sees Ray's restarted actor answer
-again. ``queue`` counts this ingress's requests in flight on it (placement balances by it).
+again. Placement balances by the router's count of requests in flight on each worker
+(:mod:`.routing`), whichever ingress runs them.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,8 +56,6 @@ def _caller_agent(kwargs: dict[str, Any]) -> dict[str, Any]:
 class WorkerRef:
     """One worker actor of rank ``rank`` on ``device``; ``on_lost`` is called once per death."""
 
-    _ids = itertools.count(1)
-
     def __init__(self, rank: int, device: str, actor: Any, on_lost: Callable[[WorkerRef], None]) -> None:
         self.rank = rank
         self.device = device
@@ -68,11 +67,6 @@ class WorkerRef:
         self.closing = False  # the cluster is closing: its end is no loss
         self._on_lost = on_lost
         self._lock = threading.Lock()
-        self._queue = 0
-
-    @property
-    def queue(self) -> int:
-        return self._queue
 
     @property
     def pid(self) -> int | None:
@@ -84,6 +78,10 @@ class WorkerRef:
 
     def joined(self, info: dict[str, Any]) -> None:
         self.info = info
+        self.revive()
+
+    def revive(self) -> None:
+        """Alive again (the control, which watches the workers, placed a request on it)."""
         self.lost_reason = None
         self.alive = True
 
@@ -113,13 +111,7 @@ class WorkerRef:
         """An actor method answering ``("ok", value)`` / ``("err", ...)``: its value, or its error raised."""
         if not self.alive:
             raise WorkerLost(f"worker {self.rank} is down")
-        with self._lock:
-            self._queue += 1
-        try:
-            return answer(self._get(getattr(self.actor, actor_method).remote(*args)))
-        finally:
-            with self._lock:
-                self._queue -= 1
+        return answer(self._get(getattr(self.actor, actor_method).remote(*args)))
 
     def raw(self, actor_method: str, *args: Any, timeout: float | None = None) -> Any:
         """An actor method's plain answer (probes)."""
@@ -137,12 +129,10 @@ class WorkerRef:
         yields chunks and, last, the :class:`Result`; closing it early cancels it on the worker."""
         if not self.alive:
             raise WorkerLost(f"worker {self.rank} is down")
-        sid = next(self._ids)
+        sid = uuid.uuid4().hex  # unique across the ingresses that share the worker
         gen = self.actor.stream.options(
             num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE,
         ).remote(sid, method, args, _caller_agent(kwargs))
-        with self._lock:
-            self._queue += 1
         items = _StreamItems(self, sid, gen)
         try:
             first = items.item()
@@ -159,7 +149,7 @@ class _StreamItems(Iterator[StreamChunk | Result]):
     """The chunks of one stream, then its :class:`Result`; closed before its end, it cancels the
     stream on the worker (which releases what the generation made)."""
 
-    def __init__(self, worker: WorkerRef, sid: int, gen: Any) -> None:
+    def __init__(self, worker: WorkerRef, sid: str, gen: Any) -> None:
         self._worker, self._sid, self._gen = worker, sid, gen
         self._ended = False
 
@@ -174,10 +164,7 @@ class _StreamItems(Iterator[StreamChunk | Result]):
         return self._worker._get(ref)  # type: ignore[no-any-return]
 
     def finish(self) -> None:
-        if not self._ended:
-            self._ended = True
-            with self._worker._lock:
-                self._worker._queue -= 1
+        self._ended = True
 
     def __next__(self) -> StreamChunk | Result:
         if self._ended:

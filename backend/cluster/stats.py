@@ -1,6 +1,6 @@
 """A cluster's ``Stats``: its workers' own stats summed, with the placement decisions and the
-calibration of its cost model. Reads a worker through :class:`Worker` (the coordinator's
-``WorkerClient``), so the worker module is not imported here."""
+calibration of its cost model. Reads a worker through :class:`Worker` (the control's ``WorkerRef``),
+so the worker module is not imported here."""
 
 from __future__ import annotations
 
@@ -10,19 +10,22 @@ from typing import Any, Protocol
 from kvbaton.types import ClusterStats, Stats, WorkerStats
 
 from .costmodel import CostModel
+from .moves import Group
+from .placement import Placer
 
 
 class Worker(Protocol):
-    """What the stats of a cluster read of one worker (the coordinator's ``WorkerClient``)."""
+    """What the stats of a cluster read of one worker (the control's ``WorkerRef``)."""
 
     rank: int
     device: str
     alive: bool
-    pid: int | None
-    host: str | None
 
     @property
-    def queue(self) -> int: ...
+    def pid(self) -> int | None: ...
+
+    @property
+    def host(self) -> str | None: ...
 
 
 _SUMMED = (
@@ -34,16 +37,18 @@ _SUMMED = (
 
 
 def cluster_stats(
-    workers: Sequence[Worker], per: Mapping[int, Stats], held: Mapping[int, int], costs: CostModel,
-    bandwidth_cap: float | None, retries: int, handles_live: int,
+    workers: Sequence[Worker], per: Mapping[int, Stats], held: Mapping[int, int], placer: Placer,
+    group: Group | None, costs: CostModel, bandwidth_cap: float | None, retries: int, handles_live: int,
 ) -> Stats:
-    """The workers' stats (``per`` rank, of those that answered) as one, with ``Stats.cluster``."""
+    """The workers' stats (``per`` rank, of those that answered) as one, with ``Stats.cluster``; a
+    worker's ``queue`` is the requests in flight the router placed on it."""
     cal = costs.calibration
     cluster = ClusterStats(
         workers=[
             WorkerStats(
-                rank=w.rank, device=w.device, alive=w.alive, pid=w.pid, host=w.host, queue=w.queue,
+                rank=w.rank, device=w.device, alive=w.alive, pid=w.pid, host=w.host, queue=placer.load(w),
                 handles=held[w.rank], stats=per.get(w.rank),
+                collective=w.rank in group.members if group is not None else None,
                 prefill_tokens_per_s=(1 / cal.prefill_per_token_s[w.rank])
                 if cal and cal.prefill_per_token_s.get(w.rank) else None,
             )

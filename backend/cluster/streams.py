@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterator
 
 from kvbaton.errors import ServerUnavailable
-from kvbaton.handle import Handle
 from kvbaton.stream import TokenStream
 from kvbaton.types import Result, SamplingParams, StreamChunk
 
@@ -24,13 +23,9 @@ from .remote import WorkerLost, WorkerRef
 Start = Callable[[], tuple[WorkerRef, Iterator[StreamChunk | Result]]]
 
 
-def recomputing_stream(
-    params: SamplingParams, start: Start, finished: Callable[[WorkerRef, Handle], None],
-    retried: Callable[[WorkerRef], None],
-) -> TokenStream:
+def recomputing_stream(params: SamplingParams, start: Start, retried: Callable[[WorkerRef], None]) -> TokenStream:
     """A stream from ``start()`` (which picks a worker and starts the request there), started again
-    when that worker is lost. ``finished`` gets the worker and the result's handle; ``retried`` the
-    worker lost before each re-run."""
+    when that worker is lost; ``retried`` gets the worker lost before each re-run."""
     deterministic = params.temperature == 0 or params.seed is not None
     worker, items = start()
 
@@ -44,8 +39,6 @@ def recomputing_stream(
                 try:
                     for item in items:
                         if isinstance(item, Result):
-                            if item.handle is not None:
-                                finished(worker, item.handle)
                             return item
                         if skip:
                             skip -= 1

@@ -74,14 +74,15 @@ def worker_config(config: EngineConfig, rank: int, device: str, state_root: str 
     return dataclasses.replace(config, **changes)
 
 
-def _error(exc: BaseException, rank: int) -> tuple[str, str, str]:
+def error_reply(exc: BaseException, who: str) -> tuple[str, str, str]:
+    """A failure of ``who``'s call as data: its typed error, or an internal error naming it."""
     if isinstance(exc, KvbatonError):
         return ("err", exc.code, exc.message)
-    log.exception("worker %d: call failed", rank)
-    return ("err", "internal_error", f"worker {rank}: {type(exc).__name__}: {exc}")
+    log.exception("%s: call failed", who)
+    return ("err", "internal_error", f"{who}: {type(exc).__name__}: {exc}")
 
 
-def _handles(value: Any) -> list[Handle]:
+def handles_of(value: Any) -> list[Handle]:
     """The handles an operator's answer carries."""
     if isinstance(value, Handle):
         return [value]
@@ -112,7 +113,7 @@ class Worker:
         self.engine.placement = Placement(device=device, tier="device", worker=rank)
         self.persist = self.engine.persistence is not None
         self.link = Link(self.engine, bandwidth_cap)
-        self._cancelled: dict[int, threading.Event] = {}
+        self._cancelled: dict[str, threading.Event] = {}  # by stream id (unique across ingresses)
 
     # -- control (own concurrency group: answered while every call thread is busy) ------------------
     @ray.method(concurrency_group="control")
@@ -120,7 +121,7 @@ class Worker:
         return os.getpid()
 
     @ray.method(concurrency_group="control")
-    def cancel(self, sid: int) -> None:
+    def cancel(self, sid: str) -> None:
         event = self._cancelled.get(sid)
         if event is not None:
             event.set()
@@ -144,9 +145,9 @@ class Worker:
         try:
             value = self._handler(method)(*args, **(kwargs or {}))
             if self.persist and method in _MAKERS:
-                self._journal(_handles(value))
+                self._journal(handles_of(value))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller as data
-            return _error(exc, self.rank)
+            return error_reply(exc, f"worker {self.rank}")
         return ("ok", value)
 
     def _handler(self, method: str) -> Callable[..., Any]:
@@ -173,7 +174,7 @@ class Worker:
         persistence = self.engine.persistence
         return [e.handle for e in persistence.journal.live()] if persistence is not None else []
 
-    def stream(self, sid: int, method: str, args: tuple[Any, ...] = (),
+    def stream(self, sid: str, method: str, args: tuple[Any, ...] = (),
                kwargs: dict[str, Any] | None = None) -> Iterator[tuple[Any, ...]]:
         """A stream as a Ray streaming generator (see the module docstring)."""
         cancelled = self._cancelled[sid] = threading.Event()
@@ -183,7 +184,7 @@ class Worker:
             stream = getattr(self.engine, method)(*args, **(kwargs or {}))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller as data
             self._cancelled.pop(sid, None)
-            yield _error(exc, self.rank)
+            yield error_reply(exc, f"worker {self.rank}")
             return
         try:
             yield ("started",)
@@ -201,7 +202,7 @@ class Worker:
                 self._journal([result.handle])
             yield ("done", result)
         except BaseException as exc:  # noqa: BLE001
-            yield _error(exc, self.rank)
+            yield error_reply(exc, f"worker {self.rank}")
         finally:
             stream.close()
             self._cancelled.pop(sid, None)
@@ -252,9 +253,9 @@ class Worker:
         try:
             value = fn()
             if journal and self.persist:
-                self._journal(_handles(value))
+                self._journal(handles_of(value))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller as data
-            return _error(exc, self.rank)
+            return error_reply(exc, f"worker {self.rank}")
         return ("ok", value)
 
     def _set_bandwidth_cap(self, cap: float | None) -> None:

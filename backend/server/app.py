@@ -83,7 +83,10 @@ def create_app(target: Any, args: ServerArgs | None = None, **options: Any) -> F
     engine = engine_of(target)
     admins = args.admin_tokens()
     persistence = engine.persistence  # an Engine(persist=True): tenant ids and handles survive restarts
-    tenants = tenant_map(args.token, persistence.salt if persistence is not None else None)
+    # The secret of tenant ids: a persistent server's own; a cluster's, so that every ingress of it names a
+    # token's tenant alike; else this process's.
+    salt = persistence.salt if persistence is not None else getattr(engine, "tenant_salt", None)
+    tenants = tenant_map(args.token, salt)
     state = ServerState(engine, tenants=tenants, args=args)
     if set(admins) & set(tenants):
         raise InvalidRequest("an admin token cannot also be a tenant's token")
@@ -218,9 +221,14 @@ def serve(args: ServerArgs | None = None, *, config: EngineConfig | None = None,
         if cluster_options:
             from ..cluster.coordinator import Cluster
 
-            workers = len(cluster_options.get("devices") or ())
-            with _progress(f"starting {workers} worker(s) for {model}"):
-                engine: HostedEngine = Cluster(config=config, **cluster_options)
+            if cluster_options.get("attach"):
+                with _progress(f"attaching to cluster {cluster_options['attach']!r}"):
+                    engine: HostedEngine = Cluster.attach(cluster_options["attach"], config=config,
+                                                          ray_address=cluster_options.get("ray_address"))
+            else:
+                workers = len(cluster_options.get("devices") or ())
+                with _progress(f"starting {workers} worker(s) for {model}"):
+                    engine = Cluster(config=config, **cluster_options)
         else:
             with _progress(f"loading {model}"):
                 engine = Engine(config=config)

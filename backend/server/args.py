@@ -109,6 +109,12 @@ class ServerArgs(BaseModel):
     ray_address: Annotated[str | None, _opt(
         MULTI, "run the --devices workers on this Ray cluster (auto, HOST:6379 or ray://HOST:10001; "
         "docs/multidevice.md) instead of a private Ray instance on this machine", metavar="ADDRESS")] = None
+    cluster_name: Annotated[str | None, _opt(
+        MULTI, "name this server's cluster, so that other servers serve it too (--attach NAME): each one more "
+        "ingress over the same workers and handles; the cluster stops with this server", metavar="NAME")] = None
+    attach: Annotated[str | None, _opt(
+        MULTI, "serve the cluster another server started with --cluster-name NAME on the Ray cluster at "
+        "--ray-address (default: auto), instead of starting workers", metavar="NAME")] = None
     balance_slack: Annotated[int, Field(ge=0), _opt(
         MULTI, "move a request off its handle's worker when that worker's queue is longer than the shortest by more "
         "than this (default %(default)s)")] = 1
@@ -211,6 +217,9 @@ class ServerArgs(BaseModel):
             from kvbaton.ops import check_reuse
 
             check_reuse(self.reuse)
+        if self.attach is not None and (self.devices or self.cluster_name):
+            raise InvalidRequest("--attach serves a cluster another server started: its workers are that "
+                                 "server's (no --devices or --cluster-name here)", param="attach")
         return self
 
     @classmethod
@@ -247,7 +256,8 @@ class ServerArgs(BaseModel):
         return {name: value for name, value in self.model_dump().items() if name not in PROCESS_FIELDS}
 
 
-PROCESS_FIELDS = frozenset({"host", "port", "engine", "sglang_args", "devices", "ray_address", "balance_slack",
+PROCESS_FIELDS = frozenset({"host", "port", "engine", "sglang_args", "devices", "ray_address", "cluster_name",
+                            "attach", "balance_slack",
                             "bandwidth_cap", "heartbeat_timeout", "log_level", "token"})
 """Options of the serving process, not of the app (``create_app`` takes ``token`` on its own)."""
 

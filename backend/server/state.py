@@ -97,7 +97,7 @@ class ServerState:
                           if max_kv_bytes_per_tenant else None),
             bytes_per_token=first.bytes_per_block / first.block_size,
             max_handle_tokens=args.max_handle_tokens_per_tenant or None,
-        ))
+        ), lookup=getattr(engine, "handle_owner", None))  # a cluster several servers serve: their handles too
         self.slots = AgentSlots(args.max_agents)
         self.registered = RegisteredAgents(args.max_registered_agents or None)
         # A persistent engine's handles of an earlier run: their tenants own them again.

@@ -179,11 +179,14 @@ class Owners:
 
     A tenant asking about any other id gets ``HandleNotFound``, exactly as for an id that never
     existed; released ids are remembered (bounded) so that their owner still gets ``HandleReleased``
-    from the engine. ``admit`` holds each tenant to the ``Quota``."""
+    from the engine. ``admit`` holds each tenant to the ``Quota``. ``lookup`` (a cluster several
+    servers serve) says who made a handle this server did not: (tenant, tokens), None if not live."""
 
-    def __init__(self, quota: Quota | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, quota: Quota | None = None, clock: Callable[[], float] = time.monotonic,
+                 lookup: Callable[[str], tuple[str | None, int] | None] | None = None) -> None:
         self.quota = quota or Quota()
         self._clock = clock
+        self._lookup = lookup
         self._lock = threading.Lock()
         self._live: dict[str, _Owned] = {}
         self._held: dict[str, _Holding] = {}
@@ -205,6 +208,9 @@ class Owners:
     def use(self, tenant: str, handle_ids: Iterable[str], check: bool = False) -> None:
         """Note that an operation names these handles (their idle time restarts); with ``check``,
         ``HandleNotFound`` unless each is the tenant's."""
+        handle_ids = list(handle_ids)
+        if self._lookup is not None:
+            self._adopt([hid for hid in handle_ids if self.owner(hid) is None])
         now = self._clock()
         with self._lock:
             for hid in handle_ids:
@@ -214,6 +220,14 @@ class Owners:
                     raise HandleNotFound(f"no handle {hid} in this engine")
                 if owned is not None and owned.tenant == tenant:
                     owned.used = now
+
+    def _adopt(self, handle_ids: list[str]) -> None:
+        """Handles this server did not make but the engine knows the tenant of (another server of the same
+        cluster made them: ``lookup``) are that tenant's here too."""
+        for hid in handle_ids:
+            found = self._lookup(hid) if self._lookup is not None else None
+            if found is not None and found[0] is not None:
+                self.add(found[0], [(hid, found[1])])
 
     def check(self, tenant: str, handle_ids: Iterable[str]) -> None:
         self.use(tenant, handle_ids, check=True)
