@@ -36,7 +36,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the cluster and test extras install it
     raise ImportError("multi-device serving runs its workers on Ray: pip install 'kvbaton[cluster]'") from exc
 from kvbaton.capabilities import KVBATON, Capabilities
-from kvbaton.errors import InvalidRequest, ServerError
+from kvbaton.errors import InvalidRequest, ServerError, ServerUnavailable
 from kvbaton.handle import Handle, Segment
 from kvbaton.ops import Context, HandleLike, check_reuse, ste_map
 from kvbaton.stream import TokenStream
@@ -203,7 +203,10 @@ class Cluster(ConfiguredEngine):
     def healthy(self) -> tuple[bool, str]:
         """Serves while at least one worker is alive; degraded (the reason names the workers down and
         why) while some are not."""
-        ok, why = self._control.healthy()
+        try:
+            ok, why = self._control.healthy()
+        except ServerUnavailable as exc:  # an attached ingress whose cluster stopped
+            return False, exc.message
         return bool(ok), str(why)
 
     def capabilities(self) -> Capabilities:
