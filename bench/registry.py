@@ -13,6 +13,7 @@ BENCHMARKS = {
     "host": ("kvbaton.bench.host", "the request loop's host time per sequence per step, and a resume's fixed cost (no model)"),
     "concurrency": ("kvbaton.bench.concurrency", "1/8/32/64 concurrent agents: tokens/s, kvbaton vs vLLM's CPU build"),
     "transfer": ("kvbaton.bench.transfer", "multi-device: KV transfer vs recompute crossover, fork across workers vs replay"),
+    "ingress": ("kvbaton.bench.ingress", "multi-device: one cluster through one server vs two (a shared control)"),
     "correction": ("kvbaton.bench.correction", "shared segments behind different prefixes: dense / rotation / anchor correction"),
     "agents": ("kvbaton.bench.agents", "persona-first debate / chain / fan-out: exact vs auto vs rotate reuse vs text replay"),
     "family": ("kvbaton.bench.family_run", "60 generated agent workflows: reuse, decisions, speed, fidelity, QA vs exact"),

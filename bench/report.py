@@ -51,6 +51,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "scaling": ("kvbaton.bench.scaling", "table"),
     "branching": ("kvbaton.bench.branching", "table"),
     "transfer": ("kvbaton.bench.transfer", "table"),
+    "ingress": ("kvbaton.bench.ingress", "table"),
     "serve": ("kvbaton.bench.serve", "table"),
     "engine": ("kvbaton.bench.engine", "table"),
     "host": ("kvbaton.bench.host", "table"),

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import kvbaton
 import pytest
-from kvbaton.errors import QuotaExceeded, ServerUnavailable
+from kvbaton.errors import HandleNotFound, QuotaExceeded, ServerUnavailable
 from server_fixtures import TOKEN_A, TOKEN_B, ServerProcess, running
 
 WAIT_S = 120.0  # how long a server may take to get somewhere (a busy 2-core machine), never a measured bound
@@ -374,6 +374,24 @@ def test_owners_pick_handles_idle_longer_than_the_ttl():
     now[0] = 110.0
     assert owners.idle(ttl=7.0) == ["old"]
     assert sorted(owners.idle(ttl=1.0)) == ["old", "used"]
+
+
+@pytest.mark.unit
+def test_a_handle_another_server_of_the_cluster_made_is_its_tenants_here_and_that_servers_to_expire():
+    from kvbaton.backend.server.tenancy import Owners
+
+    now = [100.0]
+    made_elsewhere = {"theirs": ("ta", 12)}  # what the cluster's control says (Cluster.handle_owner)
+    owners = Owners(clock=lambda: now[0], lookup=made_elsewhere.get)
+    owners.add("ta", [("mine", 3)])
+    with pytest.raises(HandleNotFound):
+        owners.check("tb", ["theirs"])  # another tenant: as if it did not exist
+    owners.check("ta", ["theirs"])  # its tenant's, on this server too
+    assert owners.owner("theirs") == "ta" and owners.holding("ta") == (2, 15)
+    with pytest.raises(HandleNotFound):
+        owners.check("ta", ["never-made"])
+    now[0] = 200.0
+    assert owners.idle(ttl=10.0) == ["mine"]  # its TTL is the server's that made it
 
 
 @pytest.mark.unit

@@ -143,6 +143,7 @@ class _Owned:
     tenant: str
     tokens: int
     used: float  # clock time of the last operation naming the handle
+    adopted: bool = False  # another server of the cluster made it: that server's TTL releases it
 
 
 @dataclass
@@ -192,15 +193,16 @@ class Owners:
         self._held: dict[str, _Holding] = {}
         self._released: OrderedDict[str, str] = OrderedDict()
 
-    def add(self, tenant: str, handles: Iterable[tuple[str, int]]) -> None:
-        """Record ``(id, tokens)`` of handles the tenant made (an id already recorded is refreshed)."""
+    def add(self, tenant: str, handles: Iterable[tuple[str, int]], *, adopted: bool = False) -> None:
+        """Record ``(id, tokens)`` of handles the tenant made (an id already recorded is refreshed);
+        ``adopted``: made through another server of the same cluster."""
         now = self._clock()
         with self._lock:
             for hid, tokens in handles:
                 old = self._live.get(hid)
                 if old is not None:
                     self._drop(old)
-                self._live[hid] = _Owned(tenant, tokens, now)
+                self._live[hid] = _Owned(tenant, tokens, now, adopted)
                 held = self._held.setdefault(tenant, _Holding())
                 held.handles += 1
                 held.tokens += tokens
@@ -227,7 +229,7 @@ class Owners:
         for hid in handle_ids:
             found = self._lookup(hid) if self._lookup is not None else None
             if found is not None and found[0] is not None:
-                self.add(found[0], [(hid, found[1])])
+                self.add(found[0], [(hid, found[1])], adopted=True)
 
     def check(self, tenant: str, handle_ids: Iterable[str]) -> None:
         self.use(tenant, handle_ids, check=True)
@@ -275,10 +277,11 @@ class Owners:
                     if (o.tenant if (o := self._live.get(hid)) is not None else self._released.get(hid)) == tenant}
 
     def idle(self, ttl: float) -> list[str]:
-        """Live handles no operation named for longer than ``ttl`` seconds."""
+        """Live handles this server made that no operation named for longer than ``ttl`` seconds (one
+        another server made is that server's to release: this one may not see its uses)."""
         cutoff = self._clock() - ttl
         with self._lock:
-            return [hid for hid, owned in self._live.items() if owned.used < cutoff]
+            return [hid for hid, owned in self._live.items() if owned.used < cutoff and not owned.adopted]
 
     # -- quotas -------------------------------------------------------------------------------
     def admit(self, tenant: str, handles: int = 1, tokens: int = 0) -> Admission:
