@@ -518,6 +518,48 @@ def test_a_trickling_stream_nobody_reads_is_abandoned_though_its_writes_never_pa
 
 
 @pytest.mark.unit
+def test_every_connection_sends_small_writes_at_once(monkeypatch):
+    """TCP_NODELAY on each connection of the server's own socket: an answer's head and body are two writes,
+    and with Nagle's algorithm the body would wait for the client's delayed ACK (40 ms a request on Linux)."""
+    from kvbaton.backend.server import listener
+
+    seen: list[int] = []
+    made = listener.GuardedH11Protocol.connection_made
+
+    def recording(self, transport):
+        made(self, transport)
+        seen.append(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+    monkeypatch.setattr(listener.GuardedH11Protocol, "connection_made", recording)
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = listener.bind("127.0.0.1", 0)
+    assert sock.proto == socket.IPPROTO_TCP  # so asyncio itself sets TCP_NODELAY on what it accepts
+    server = listener.http_server(app, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{listener.bound_port(sock)}") as client:
+            deadline = time.monotonic() + WAIT_S
+            while True:  # until uvicorn serves (its start-up runs in the thread)
+                try:
+                    assert client.get("/").text == "ok"
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+        assert seen and all(seen)
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        sock.close()
+
+
+@pytest.mark.unit
 def test_a_taken_port_is_an_error_naming_the_address():
     from kvbaton.backend.server.listener import bind
     from kvbaton.errors import InvalidRequest

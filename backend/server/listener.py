@@ -65,8 +65,11 @@ def bind(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise InvalidRequest(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, _, proto, _, address = infos[0]
+    # With its protocol (IPPROTO_TCP) named, asyncio sets TCP_NODELAY on every connection it accepts (it checks
+    # ``sock.proto``); a socket made without gets none, and an answer's body, written after its head, would
+    # wait for the client's delayed ACK: 40 ms on every request of a kept-alive connection.
+    sock = socket.socket(family, socket.SOCK_STREAM, proto or socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may rebind at once (TIME_WAIT)
         sock.bind(address)
@@ -132,6 +135,10 @@ class GuardedH11Protocol(H11Protocol):
             self._deadline = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):  # whoever made the socket
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().connection_made(transport)
         self._arm("headers")  # a connection that sends nothing at all is held to the same deadline
         write = transport.write
