@@ -278,6 +278,29 @@ def test_generation_streams_are_capped_per_tenant_and_in_all():
     assert slots.usage("a") == (0, 0, 2)
 
 
+def test_a_stream_stops_counting_once_it_said_it_ended(limits):
+    """A client that starts its next stream as soon as the last one said it ended, before that response's
+    connection has closed it, is not refused: the tenant's two streams (its limit) both said [DONE] and are
+    still open on the wire, and a third is served."""
+    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "stream": True}
+
+    def until_done(response: httpx.Response) -> None:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.strip() == "data: [DONE]":
+                return
+        raise AssertionError("the stream ended without [DONE]")
+
+    with limits.http() as first, limits.http() as second, limits.http() as third:
+        with first.stream("POST", "/v1/chat/completions", json=body) as one:
+            until_done(one)
+            with second.stream("POST", "/v1/chat/completions", json=body) as two:
+                until_done(two)
+                again = third.post("/v1/chat/completions", json=body)
+                assert again.status_code == 200, again.text
+
+
 # -- per-tenant metrics and events ---------------------------------------------------------------------------
 
 

@@ -225,10 +225,18 @@ class StreamDriver:
     """One streamed response of a tenant: its primed streams, what to say, and what they made."""
 
     def __init__(self, state: ServerState, tenant: str, streams: Sequence[TokenStream],
-                 firsts: Sequence[StreamChunk | None], events: StreamEvents, admission: Admission) -> None:
+                 firsts: Sequence[StreamChunk | None], events: StreamEvents, admission: Admission,
+                 closed: Callable[[], None] = lambda: None) -> None:
         self.state, self.tenant, self.streams, self.firsts = state, tenant, list(streams), list(firsts)
-        self.spec, self.admission = events, admission
+        self.spec, self.admission, self.closed = events, admission, closed
         self.handed_over = False
+
+    def generated(self) -> None:
+        """Every stream ended and what they made is the tenant's: the response stops counting among the
+        tenant's open streams, and its admission against the tenant's quotas, before the client hears
+        that it ended (a client that starts its next stream then is not refused for this one)."""
+        self.closed()
+        self.admission.close()
 
     async def events(self) -> AsyncIterator[str]:
         """The events of the streams, interleaved as their chunks come: every live stream is pulled
@@ -246,6 +254,8 @@ class StreamDriver:
                     continue
                 await self.state.recorded(self.tenant, [item.result.handle])  # owned before anything more is sent
                 results[i] = item.result
+                if len(results) == len(self.streams):
+                    self.generated()
                 for text in self.spec.closing(i, item.result, len(results) == len(self.streams)):
                     yield text
             texts = await self.state.run(self.spec.finish, [results[i] for i in range(len(self.streams))])
@@ -287,5 +297,5 @@ async def stream_response(state: ServerState, tenant: str, open_streams: Callabl
         closed()
         admission.close()
         raise
-    driver = StreamDriver(state, tenant, streams, firsts, events, admission)
+    driver = StreamDriver(state, tenant, streams, firsts, events, admission, closed)
     return EventStreamResponse(driver.events(), cleanup=driver.cleanup, closed=closed)
