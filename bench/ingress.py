@@ -38,6 +38,7 @@ from kvbaton.bench.common import format_table
 from kvbaton.bench.corpus import QUESTIONS, document
 from kvbaton.bench.processes import start_kvbaton_serve, stop_process
 from kvbaton.bench.spread import cell, measured
+from kvbaton.bench.transfer import descendants_cpu_s
 from kvbaton.http import HttpClient
 
 SIDES = ("own control", "shared control", "two servers")
@@ -65,6 +66,8 @@ def servers(kv_budget: str) -> Iterator[dict[str, list[str]]]:
                                                      timeout=STARTUP_TIMEOUT_S)
         procs.append(attached)
         yield {"own control": [own_url], "shared control": [shared_url], "two servers": [shared_url, attached_url]}
+        # The Ray workers are this run's grandchildren: their CPU is its own, not other load on the machine.
+        record.note_own_cpu(descendants_cpu_s())
     finally:
         for proc in reversed(procs):  # the attached server first, then the cluster it serves
             stop_process(proc, 30)
