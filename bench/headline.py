@@ -496,11 +496,20 @@ def _family(rec: Record) -> tuple[str, list[Target]]:
     return f"workload family ({split} split, {rec['summary'][split]['exact']['shapes']} shapes): " + "; ".join(parts), found
 
 
+def _ingress(rec: Record) -> tuple[str, list[Target]]:
+    rows = {r["side"]: r for r in rec["rows"]}
+    shared, two = rows["shared control"], rows["two servers"]
+    return (f"a request through a shared cluster control (a Ray actor) against the server's own: small request "
+            f"triple {_x(shared['small_vs_own'])} the time, {rec['agents']} agents at once "
+            f"{_x(shared['wall_vs_own'])}; through two servers over it: {_x(two['small_vs_own'])} and "
+            f"{_x(two['wall_vs_own'])} ({rec['cores']} cores shared by workers, servers and control)"), []
+
+
 HEADLINES: dict[str, Callable[[Record], tuple[str, list[Target]]]] = {
     "ttft": _ttft, "scaling": _scaling, "transfer": _transfer, "branching": _branching, "serve": _serve,
     "engine": _engine, "adapter_overhead": _adapter_overhead, "workflow": _workflow, "correction": _correction,
     "agents": _agents, "soak": _soak, "gpu": _gpu, "host": _host, "concurrency": _concurrency, "concurrency_tiny": _concurrency,
-    "family": _family,
+    "family": _family, "ingress": _ingress,
 }
 
 

@@ -169,6 +169,24 @@ def _serve(payload: dict[str, Any], fig: Figure) -> None:
     right.set_title("kvbaton serve TTFT")
 
 
+def _ingress(payload: dict[str, Any], fig: Figure) -> None:
+    rows = payload["rows"]
+    sides = [r["side"] for r in rows]
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for ax, key, scale in ((left, "small_s", 1e3), (right, "wall_s", 1.0)):
+        values, err = _spread(rows, key, scale)
+        ax.bar(sides, values, yerr=err, capsize=3)
+    for ax, ylabel, unit, title in (
+        (left, "materialize + resume 1 token + release", "ms", "a small request triple (median, bars: min–max)"),
+        (right, f"{payload['agents']} agents at once", "s", "a concurrent batch, wall time"),
+    ):
+        ax.set_ylabel(ylabel)
+        _unit_axis(ax.yaxis, unit, log=False)
+        ax.set_title(title)
+        ax.tick_params(axis="x", labelrotation=15)
+        ax.grid(True, axis="y", alpha=0.3)
+
+
 def _engine(payload: dict[str, Any], fig: Figure) -> None:
     rows = [r for r in payload["rows"] if _numeric(r.get("ratio"))]
     ax = fig.add_subplot(1, 1, 1)
@@ -390,6 +408,7 @@ PLOTTERS: dict[str, Callable[[dict[str, Any], Figure], None]] = {
     "workflow": _workflow,
     "adapter_overhead": _adapter_overhead,
     "serve": _serve,
+    "ingress": _ingress,
     "engine": _engine,
     "transfer": _transfer,
     "correction": _correction,
