@@ -396,6 +396,7 @@ def second(cluster):
 
 
 def test_a_second_ingress_serves_the_same_handles_exactly(cluster, second, reference, corpus_tokens):
+    assert second.config == cluster.config and second.loaded == cluster.loaded  # what the workers run
     context = corpus_tokens[1300:1380]
     handle = cluster.materialize(context)
     out = second.resume(handle.id, SUFFIX, GREEDY)  # made through one ingress, resumed through the other

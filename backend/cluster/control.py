@@ -68,13 +68,15 @@ class ModelInfo:
 @dataclass(frozen=True)
 class Joined:
     """What an ingress needs to serve the cluster: the model, the KV geometry, each worker as ``(rank,
-    device, actor, info, alive)``, and the secret of tenant ids (every ingress names a token's tenant alike)."""
+    device, actor, info, alive)``, the secret of tenant ids (every ingress names a token's tenant alike)
+    and the engine config every worker runs (as JSON)."""
 
     model: ModelInfo
     block_size: int
     bytes_per_block: int
     workers: list[tuple[int, str, Any, dict[str, Any], bool]]
     tenant_salt: bytes
+    config_json: str
 
 
 class Control:
@@ -156,7 +158,8 @@ class Control:
 
     def joined(self) -> Joined:
         return Joined(self.model, self.block_size, self.bytes_per_block,
-                      [(w.rank, w.device, w.actor, w.info, w.alive) for w in self.workers], self.tenant_salt)
+                      [(w.rank, w.device, w.actor, w.info, w.alive) for w in self.workers], self.tenant_salt,
+                      self.config.to_json())
 
     def transport(self) -> str:
         group = self.router.mover.group if self.router.mover is not None else None

@@ -143,13 +143,12 @@ class Cluster(ConfiguredEngine):
             raise
 
     @classmethod
-    def attach(cls, name: str, *, ray_address: str | None = None, config: EngineConfig | None = None,
-               timeout: float = 60.0) -> Cluster:
+    def attach(cls, name: str, *, ray_address: str | None = None, timeout: float = 60.0) -> Cluster:
         """Another ingress over the cluster started as ``Cluster(..., name=name)`` (``kvbaton serve
         --cluster-name NAME``) on the Ray cluster at ``ray_address`` (None: the one this process is
-        connected to, else ``auto``). Closing it leaves the cluster running."""
+        connected to, else ``auto``). It serves with the cluster's engine config (what the workers run);
+        ``timeout``: how long its first call waits for the control. Closing it leaves the cluster running."""
         self = cls.__new__(cls)
-        self.config = EngineConfig.build(config)
         self.name = name
         self._started_ray = False
         if not ray.is_initialized():
@@ -174,6 +173,7 @@ class Cluster(ConfiguredEngine):
         return self
 
     def _join(self, joined: Joined) -> None:
+        self.config = EngineConfig.from_json(joined.config_json)  # what the workers run (an attached ingress's too)
         self.loaded = joined.model
         self.block_size = joined.block_size
         self.bytes_per_block = joined.bytes_per_block

@@ -223,7 +223,7 @@ def serve(args: ServerArgs | None = None, *, config: EngineConfig | None = None,
 
             if cluster_options.get("attach"):
                 with _progress(f"attaching to cluster {cluster_options['attach']!r}"):
-                    engine: HostedEngine = Cluster.attach(cluster_options["attach"], config=config,
+                    engine: HostedEngine = Cluster.attach(cluster_options["attach"],
                                                           ray_address=cluster_options.get("ray_address"))
             else:
                 workers = len(cluster_options.get("devices") or ())
