@@ -186,7 +186,6 @@ class Control:
         group = self.router.mover.group if self.router.mover is not None else None
         if group is not None:
             group.members.discard(worker.rank)
-        worker.restarts += 1
         with self._events_lock:  # a new engine numbers its events from the start again
             self._event_cursors.pop(worker.rank, None)
         worker.joined(info)

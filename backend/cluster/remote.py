@@ -63,7 +63,6 @@ class WorkerRef:
         self.info: dict[str, Any] = {}
         self.alive = False
         self.lost_reason: str | None = None  # why it is down, for /health (None: it died)
-        self.restarts = 0  # times this ingress saw it come back
         self.closing = False  # the cluster is closing: its end is no loss
         self._on_lost = on_lost
         self._lock = threading.Lock()

@@ -33,7 +33,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvbaton.errors import HandleNotFound, HandleReleased, InvalidRequest, ServerError, ServerUnavailable
@@ -257,62 +257,54 @@ class Router:
         """A ticket on the worker that should serve a request on ``handle``, the handle moved or
         recomputed there first when placement says so; the handle stays leased until it started."""
         hid = self.hid(handle)
-        tid = next(self._ids)
-        self._lease([hid], tid)
-        try:
-            for _ in range(len(self.workers) + 1):
-                with self.lock:
-                    rank = self.known(hid).rank
-                holder = self.workers[rank] if rank is not None else None
-                target = self.placer.place(lambda holder=holder: self.placer.for_handle(holder, self.workers))
-                try:
-                    if target is not holder:
-                        self.move(hid, holder, target, "lost" if holder is None or not holder.alive else "balance")
-                except WorkerLost:
-                    self.placer.done(target.rank)
-                    self.retries += 1
-                    continue
-                except BaseException:
-                    self.placer.done(target.rank)
-                    raise
-                return self._opened(tid, target.rank, (hid,))
-            raise ServerError("no worker could serve the request")
-        except BaseException:
-            self._unlease(tid, [hid])
-            raise
+
+        def target(where: dict[str, int | None], sizes: dict[str, int]) -> WorkerRef:
+            rank = where[hid]
+            return self.placer.for_handle(self.workers[rank] if rank is not None else None, self.workers)
+
+        return self._begin((hid,), target, "balance")
 
     def begin_on_handles(self, handles: Sequence[HandleLike]) -> Ticket:
         """A ticket on one worker holding every handle of ``handles``: the one already holding the most
         tokens; the others are brought there first (transfer or recompute, as the cost model says)."""
-        hids = tuple(sorted({self.hid(h) for h in handles}))
+
+        def target(where: dict[str, int | None], sizes: dict[str, int]) -> WorkerRef:
+            held: dict[int, int] = {}
+            for hid, rank in where.items():
+                if rank is not None and self.workers[rank].alive:
+                    held[rank] = held.get(rank, 0) + sizes[hid]
+            if not held:
+                return self.placer.least_loaded(self.workers)
+            return self.workers[max(held, key=lambda r: (held[r], -r))]
+
+        return self._begin(tuple(sorted({self.hid(h) for h in handles})), target, "colocate")
+
+    def _begin(self, hids: tuple[str, ...], target: Callable[[dict[str, int | None], dict[str, int]], WorkerRef],
+               reason: str) -> Ticket:
+        """A ticket on the worker ``target(where, sizes)`` picks from each handle's worker and tokens, every
+        handle of ``hids`` leased and brought there first (``reason`` the move's; ``lost`` for a handle whose
+        worker died), again when a worker dies during a move."""
         tid = next(self._ids)
         self._lease(hids, tid)
         try:
             for _ in range(len(self.workers) + 1):
-                with self.lock:
+                with self.lock:  # read here: ``place`` runs ``target`` under the placer's lock
                     where = {hid: self.known(hid).rank for hid in hids}
                     sizes = {hid: self.known(hid).meta.num_tokens for hid in hids}
-                held: dict[int, int] = {}
-                for hid, rank in where.items():
-                    if rank is not None and self.workers[rank].alive:
-                        held[rank] = held.get(rank, 0) + sizes[hid]
-                most = max(held, key=lambda r: (held[r], -r)) if held else None
-                target = self.placer.place(lambda most=most: self.workers[most] if most is not None
-                                           else self.placer.least_loaded(self.workers))
+                chosen = self.placer.place(lambda where=where, sizes=sizes: target(where, sizes))
                 try:
                     for hid, rank in where.items():
                         holder = self.workers[rank] if rank is not None else None
-                        if holder is not target:
-                            alive = holder is not None and holder.alive
-                            self.move(hid, holder, target, "colocate" if alive else "lost")
+                        if holder is not chosen:
+                            self.move(hid, holder, chosen, reason if holder is not None and holder.alive else "lost")
                 except WorkerLost:
-                    self.placer.done(target.rank)
+                    self.placer.done(chosen.rank)
                     self.retries += 1
                     continue
                 except BaseException:
-                    self.placer.done(target.rank)
+                    self.placer.done(chosen.rank)
                     raise
-                return self._opened(tid, target.rank, hids)
+                return self._opened(tid, chosen.rank, hids)
             raise ServerError("no worker could serve the request")
         except BaseException:
             self._unlease(tid, hids)
@@ -357,10 +349,6 @@ class Router:
         self._unlease(ticket.id, ticket.hids)
         if opened is not None:
             self.placer.done(ticket.rank)
-
-    def in_flight(self) -> int:
-        with self.lock:
-            return len(self._open)
 
     # -- moves ----------------------------------------------------------------------------------
     def transfer(self, handle: HandleLike, device: int | str, method: str) -> Handle:

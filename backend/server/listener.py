@@ -135,10 +135,6 @@ class GuardedH11Protocol(H11Protocol):
             self._deadline = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):  # whoever made the socket
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().connection_made(transport)
         self._arm("headers")  # a connection that sends nothing at all is held to the same deadline
         write = transport.write
